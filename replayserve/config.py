@@ -1,0 +1,235 @@
+"""Typed, frozen configuration: the model (from a Hugging Face `config.json`) and the engine.
+
+Every combination is validated at construction; an error names the option that is wrong and
+what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+LAYER_TYPES = ("linear_attention", "full_attention", "mlp", "moe")
+MAMBA, ATTENTION, MLP, MOE = LAYER_TYPES
+# The legacy one-character layer pattern (`hybrid_override_pattern`).
+PATTERN_CHARS = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}
+
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda")
+SSM_BACKENDS = ("baseline",)
+
+# Keys every Hugging Face config may carry that do not change the computation.
+_IGNORED_HF_KEYS = frozenset(
+    {
+        "architectures", "model_type", "dtype", "torch_dtype", "transformers_version", "_name_or_path",
+        "auto_map", "use_cache", "num_logits_to_keep", "initializer_range", "rescale_prenorm_residual",
+        "residual_in_fp32", "hidden_dropout", "attention_dropout", "use_mamba_kernels", "time_step_max",
+        "time_step_floor", "time_step_limit", "mamba_proj_bias", "output_router_logits",
+        "moe_shared_expert_overlap", "n_shared_experts", "num_hidden_layers", "expand",
+        "mamba_ssm_cache_dtype", "attention_bias", "mtp_layers_block_type", "num_nextn_predict_layers",
+        "tie_encoder_decoder", "is_encoder_decoder", "return_dict", "output_hidden_states",
+        "output_attentions", "chunk_size_feed_forward", "id2label", "label2id", "problem_type",
+        "tokenizer_class", "prefix", "sep_token_id", "decoder_start_token_id", "task_specific_params",
+        "finetuning_task", "add_cross_attention", "pruned_heads", "torchscript",
+    }
+)
+# Legacy spellings accepted by transformers, mapped to the current key.
+_LEGACY_HF_KEYS = {
+    "mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_dt_min": "time_step_min",
+    "mamba_conv_bias": "use_conv_bias", "mamba_chunk_size": "chunk_size", "mamba_n_heads": "mamba_num_heads",
+    "mamba_d_head": "mamba_head_dim", "mamba_d_state": "ssm_state_size", "rms_norm_eps": "layer_norm_epsilon",
+}
+
+
+class ConfigError(ValueError):
+    """A configuration option has a value this engine does not support."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The Nemotron-H architecture, with Hugging Face's field names and defaults."""
+
+    layer_types: tuple[str, ...]
+    vocab_size: int = 131072
+    hidden_size: int = 4096
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    max_position_embeddings: int = 4096
+    intermediate_size: int = 21504
+    mlp_hidden_act: str = "relu2"
+    mlp_bias: bool = False
+    mamba_num_heads: int = 128
+    mamba_head_dim: int = 64
+    ssm_state_size: int = 128
+    n_groups: int = 8
+    conv_kernel: int = 4
+    chunk_size: int = 128
+    use_conv_bias: bool = True
+    use_bias: bool = False
+    mamba_hidden_act: str = "silu"
+    time_step_min: float = 0.001
+    n_routed_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 7688
+    moe_shared_expert_intermediate_size: int = 7688
+    moe_latent_size: int | None = None
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    layer_norm_epsilon: float = 1e-5
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = 1
+    eos_token_ids: tuple[int, ...] = (2,)
+
+    def __post_init__(self) -> None:
+        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+        if bad or not self.layer_types:
+            raise ConfigError(f"layers_block_type: unsupported layer types {bad or '[]'}; allowed: {LAYER_TYPES}")
+        checks = [
+            (self.mlp_hidden_act == "relu2", "mlp_hidden_act", f"{self.mlp_hidden_act!r}; only 'relu2'"),
+            (self.mamba_hidden_act == "silu", "mamba_hidden_act", f"{self.mamba_hidden_act!r}; only 'silu'"),
+            (self.sliding_window is None, "sliding_window", f"{self.sliding_window}; only null"),
+            (self.mamba_num_heads % self.n_groups == 0, "n_groups",
+             f"{self.n_groups} must divide mamba_num_heads={self.mamba_num_heads}"),
+            (self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
+             f"{self.num_key_value_heads} must divide num_attention_heads={self.num_attention_heads}"),
+            (self.n_routed_experts % self.n_group == 0, "n_group",
+             f"{self.n_group} must divide n_routed_experts={self.n_routed_experts}"),
+            (self.topk_group <= self.n_group, "topk_group", f"{self.topk_group} > n_group={self.n_group}"),
+            (self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok",
+             f"{self.num_experts_per_tok} > n_routed_experts={self.n_routed_experts}"),
+            (self.conv_kernel >= 2, "conv_kernel", f"{self.conv_kernel}; must be >= 2"),
+        ]
+        for ok, option, why in checks:
+            if not ok:
+                raise ConfigError(f"model config option {option}: unsupported value {why}")
+
+    @property
+    def num_mamba_layers(self) -> int:
+        return self.layer_types.count(MAMBA)
+
+    @property
+    def num_attention_layers(self) -> int:
+        return self.layer_types.count(ATTENTION)
+
+    @property
+    def mamba_intermediate_size(self) -> int:
+        return self.mamba_num_heads * self.mamba_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.mamba_intermediate_size + 2 * self.n_groups * self.ssm_state_size
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """Builds the config from a parsed `config.json`; unknown keys are an error."""
+        hf = {_LEGACY_HF_KEYS.get(k, k): v for k, v in raw.items() if k not in _IGNORED_HF_KEYS}
+        if raw.get("model_type", "nemotron_h") != "nemotron_h":
+            raise ConfigError(f"model_type {raw['model_type']!r} is not supported; only 'nemotron_h'")
+        if raw.get("num_nextn_predict_layers", 0):
+            raise ConfigError("num_nextn_predict_layers > 0 (MTP layers) is not supported yet")
+        pattern = hf.pop("hybrid_override_pattern", None)
+        layers = hf.pop("layers_block_type", None) or hf.pop("layer_types", None)
+        if layers is None and pattern is not None:
+            unknown = sorted(set(pattern) - set(PATTERN_CHARS))
+            if unknown:
+                raise ConfigError(f"hybrid_override_pattern: unknown characters {unknown}; allowed {PATTERN_CHARS}")
+            layers = [PATTERN_CHARS[c] for c in pattern]
+        if layers is None:
+            raise ConfigError("config.json has neither layers_block_type nor hybrid_override_pattern")
+        eos = hf.pop("eos_token_id", 2)
+        hf["eos_token_ids"] = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if "n_routed_experts" not in hf and "num_local_experts" in hf:
+            hf["n_routed_experts"] = hf.pop("num_local_experts")
+        known = {f for f in cls.__dataclass_fields__ if f != "layer_types"}
+        unknown = sorted(set(hf) - known)
+        if unknown:
+            raise ConfigError(f"config.json has unsupported keys {unknown}")
+        return cls(layer_types=tuple(layers), **hf)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"model directory {model_dir} has no config.json")
+        try:
+            raw = json.loads(path.read_text(), object_hook=_decode_special_floats)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from e
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path} must hold a JSON object")
+        return cls.from_hf_dict(raw)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The `config.json` content transformers' NemotronHConfig reads back to this config."""
+        out: dict[str, Any] = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h"}
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if name == "layer_types":
+                out["layers_block_type"] = list(value)
+            elif name == "eos_token_ids":
+                out["eos_token_id"] = value[0] if len(value) == 1 else list(value)
+            else:
+                out[name] = value
+        return out
+
+
+def _decode_special_floats(obj: dict[str, Any]) -> Any:
+    # transformers writes non-finite floats as {"__float__": "Infinity"}.
+    if set(obj) == {"__float__"}:
+        return float(obj["__float__"])
+    return obj
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs besides the weights; validated against the model."""
+
+    model: ModelConfig
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    ssm_backend: str = "baseline"
+
+    def __post_init__(self) -> None:
+        def fail(option: str, why: str) -> None:
+            raise ConfigError(f"engine option {option}: {why}")
+
+        if self.dtype not in DTYPES:
+            fail("dtype", f"{self.dtype!r} is not one of {DTYPES}")
+        if self.device.split(":")[0] not in DEVICES:
+            fail("device", f"{self.device!r} is not one of {DEVICES}")
+        if self.ssm_backend not in SSM_BACKENDS:
+            fail("ssm_backend", f"{self.ssm_backend!r} is not one of {SSM_BACKENDS}")
+        for option in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, option) < 1:
+                fail(option, f"must be >= 1, got {getattr(self, option)}")
+        if self.resolved_max_model_len < 2:
+            fail("max_model_len", f"must be >= 2, got {self.resolved_max_model_len}")
+        if self.resolved_num_kv_blocks < self.blocks_per_seq:
+            fail("num_kv_blocks", f"{self.resolved_num_kv_blocks} blocks of {self.block_size} tokens cannot "
+                 f"hold one sequence of max_model_len={self.resolved_max_model_len}; "
+                 f"need at least {self.blocks_per_seq}")
+
+    @property
+    def resolved_max_model_len(self) -> int:
+        return self.max_model_len or self.model.max_position_embeddings
+
+    @property
+    def blocks_per_seq(self) -> int:
+        return math.ceil(self.resolved_max_model_len / self.block_size)
+
+    @property
+    def resolved_num_kv_blocks(self) -> int:
+        return self.num_kv_blocks or self.blocks_per_seq * self.max_num_seqs

@@ -1,0 +1,45 @@
+"""Per-step metadata the model forward reads: one object, built by the runner for each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """The flattened batch of one step.
+
+    Sequences are ordered decodes first (one token each), then prefill chunks. Token tensors have
+    T rows (all sequences' tokens concatenated); sequence tensors have S rows.
+
+    positions: (T,) int64 absolute positions.
+    slot_mapping: (T,) int64 flat KV slot (block * block_size + offset) of each token.
+    query_start_loc: (S + 1,) int64 offsets of each sequence's tokens.
+    seq_lens: (S,) int64 context length of each sequence after this step.
+    block_tables: (S, max_blocks) int64 KV block ids, padded with -1.
+    state_slots: (S,) int64 Mamba state slot of each sequence.
+    query_lens, state_slot_list: host copies, so prefill loops need no device sync.
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    state_slots: torch.Tensor
+    num_decodes: int
+    query_lens: tuple[int, ...]
+    state_slot_list: tuple[int, ...]
+
+    def prefill_segments(self) -> list[tuple[int, int, int]]:
+        """(token start, token end, state slot) of each prefill sequence."""
+        out = []
+        start = self.num_decodes
+        for qlen, slot in zip(
+            self.query_lens[self.num_decodes :], self.state_slot_list[self.num_decodes :], strict=True
+        ):
+            out.append((start, start + qlen, slot))
+            start += qlen
+        return out

@@ -1,0 +1,88 @@
+"""Runs a StepPlan on the model: builds the StepContext, owns the KV cache and the SSM backend."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from replayserve.config import EngineConfig
+from replayserve.engine.context import StepContext
+from replayserve.engine.request import SamplingParams
+from replayserve.engine.sampler import SampleResult, sample
+from replayserve.engine.scheduler import StepPlan
+from replayserve.models.nemotron_h import NemotronHForCausalLM
+from replayserve.ssm.backend import SSMBackend
+from replayserve.ssm.baseline import BaselineBackend
+from replayserve.ssm.layout import MambaLayout
+
+
+def make_ssm_backend(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> SSMBackend:
+    layout = MambaLayout.from_config(config.model, num_slots=config.max_num_seqs, dtype=dtype)
+    return BaselineBackend(layout, device)
+
+
+class Runner:
+    def __init__(self, config: EngineConfig, model: NemotronHForCausalLM) -> None:
+        self.config = config
+        self.model = model
+        weight = model.backbone.embeddings.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        m = config.model
+        kv_shape = (config.resolved_num_kv_blocks, config.block_size, m.num_key_value_heads, m.head_dim)
+        self.kv_caches = [
+            (torch.zeros(kv_shape, dtype=self.dtype, device=self.device),
+             torch.zeros(kv_shape, dtype=self.dtype, device=self.device))
+            for _ in range(m.num_attention_layers)
+        ]
+        self.ssm = make_ssm_backend(config, self.dtype, self.device)
+
+    def build_context(self, plan: StepPlan) -> tuple[torch.Tensor, StepContext]:
+        bs = self.config.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        starts = [0]
+        for seq in plan.seqs:
+            pos = range(seq.start_pos, seq.start_pos + len(seq.token_ids))
+            ids.extend(seq.token_ids)
+            positions.extend(pos)
+            slot_mapping.extend(seq.block_table[p // bs] * bs + p % bs for p in pos)
+            starts.append(starts[-1] + len(seq.token_ids))
+        width = max(len(s.block_table) for s in plan.seqs)
+        tables = [list(s.block_table) + [-1] * (width - len(s.block_table)) for s in plan.seqs]
+
+        def dev(values: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+        ctx = StepContext(
+            positions=dev(positions),
+            slot_mapping=dev(slot_mapping),
+            query_start_loc=dev(starts),
+            seq_lens=dev([s.start_pos + len(s.token_ids) for s in plan.seqs]),
+            block_tables=dev(tables),
+            state_slots=dev([s.state_slot for s in plan.seqs]),
+            num_decodes=sum(s.is_decode for s in plan.seqs),
+            query_lens=tuple(len(s.token_ids) for s in plan.seqs),
+            state_slot_list=tuple(s.state_slot for s in plan.seqs),
+        )
+        return dev(ids), ctx
+
+    @torch.inference_mode()
+    def execute(
+        self, plan: StepPlan, params: list[SamplingParams], generators: list[torch.Generator | None]
+    ) -> list[SampleResult]:
+        """Runs the step; returns one result per sampling sequence (in plan order).
+
+        params and generators are given for the sequences with `sample` set, in plan order.
+        """
+        if plan.reset_slots:
+            self.ssm.reset_slots(torch.tensor(plan.reset_slots, dtype=torch.int64, device=self.device))
+        input_ids, ctx = self.build_context(plan)
+        hidden = self.model(input_ids, ctx, self.kv_caches, self.ssm)
+        ends = itertools.accumulate(ctx.query_lens)
+        last = [end - 1 for seq, end in zip(plan.seqs, ends, strict=True) if seq.sample]
+        if not last:
+            return []
+        logits = self.model.compute_logits(hidden[torch.tensor(last, device=self.device)])
+        return sample(logits, params, generators)

@@ -1,0 +1,114 @@
+"""The offline API: `LLM(model=dir).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from replayserve.config import EngineConfig, ModelConfig
+from replayserve.engine.engine import Engine
+from replayserve.engine.request import Request, SamplingParams
+from replayserve.models.loader import load_model
+from replayserve.tokenizer import Tokenizer
+
+Prompt = str | dict[str, Any]
+
+_TORCH_DTYPES = {
+    "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str
+
+
+class LLM:
+    """A loaded model and its engine.
+
+    dtype: "auto" (bfloat16 on CUDA, float32 on CPU) or one of float32/float64/bfloat16/float16.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "auto",
+        device: str | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        num_kv_blocks: int | None = None,
+        ssm_backend: str = "baseline",
+    ) -> None:
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if dtype == "auto":
+            dtype = "bfloat16" if device.startswith("cuda") else "float32"
+        self.config = EngineConfig(
+            model=ModelConfig.from_dir(model), dtype=dtype, device=device, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, block_size=block_size,
+            num_kv_blocks=num_kv_blocks, ssm_backend=ssm_backend,
+        )
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("engine option device: 'cuda' was asked for but torch sees no CUDA device")
+        self.tokenizer = Tokenizer.from_dir(model)
+        net = load_model(model, _TORCH_DTYPES[dtype], torch.device(device))
+        self.engine = Engine(self.config, net, self.tokenizer)
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; the model directory has no tokenizer.json "
+                                 "(pass {'prompt_token_ids': [...]} instead)")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and set(prompt) == {"prompt_token_ids"}:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list | tuple):
+                raise ValueError("prompt_token_ids must be a list of ints")
+            return list(ids)
+        raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {prompt!r:.80}")
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One output per prompt, in order. Every prompt is validated before any is admitted."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(all_params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(all_params)} SamplingParams")
+        ids = [self._prompt_ids(p) for p in prompts]
+        for prompt_ids, p in zip(ids, all_params, strict=True):
+            self.engine.validate(prompt_ids, p)
+        requests = [self.engine.add_request(i, p) for i, p in zip(ids, all_params, strict=True)]
+        try:
+            with tqdm(total=len(requests), disable=not use_tqdm or len(requests) < 2, desc="requests") as bar:
+                while self.engine.has_unfinished():
+                    bar.update(len(self.engine.step()))
+        finally:
+            for request in requests:  # an interrupted call must not keep blocks or slots
+                self.engine.abort(request)
+        return [_output(r) for r in requests]
+
+
+def _output(r: Request) -> RequestOutput:
+    assert r.finish_reason is not None
+    return RequestOutput(
+        prompt_token_ids=r.prompt_token_ids,
+        text=r.text,
+        token_ids=list(r.output_token_ids),
+        logprobs=list(r.output_logprobs) if r.params.logprobs is not None else None,
+        finish_reason=r.finish_reason,
+    )

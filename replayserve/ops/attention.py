@@ -1,0 +1,99 @@
+"""Reference paged KV cache write and causal GQA attention over a flattened batch."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from replayserve.ops.dtypes import compute_dtype
+
+
+def write_kv_cache_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Scatter new K/V tokens into a paged cache, IN PLACE.
+
+    Arguments:
+        k, v: (T, Hkv, Dh).
+        k_cache, v_cache: (num_blocks, block_size, Hkv, Dh); values are cast to
+            the cache dtype.
+        slot_mapping: (T,) int64 flat slot = block * block_size + offset; tokens
+            with slot -1 (padding) are skipped. Valid slots must be distinct.
+    """
+    if k.shape != v.shape:
+        raise ValueError(f"k shape {tuple(k.shape)} != v shape {tuple(v.shape)}")
+    if slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"slot_mapping must be ({k.shape[0]},), got {tuple(slot_mapping.shape)}")
+    block_size = k_cache.shape[1]
+    # A -1 slot would otherwise index from the end and silently overwrite the
+    # last block, so padding has to be dropped before indexing.
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    blocks = slots // block_size
+    offsets = slots % block_size
+    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+
+
+def paged_attention_ref(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    query_start_loc: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+) -> Tensor:
+    """Causal GQA attention of a flattened batch of sequences against a paged KV cache.
+
+    Arguments:
+        q: (T, Hq, Dh) the query tokens of all sequences concatenated.
+        k_cache, v_cache: (num_blocks, block_size, Hkv, Dh), Hq % Hkv == 0; query
+            head h reads kv head h // (Hq // Hkv).
+        block_tables: (S, max_blocks) int32/int64, padded with -1; position p of
+            sequence s lives at block block_tables[s, p // block_size], offset
+            p % block_size.
+        query_start_loc: (S+1,) int; sequence s owns q rows
+            [query_start_loc[s], query_start_loc[s+1]).
+        seq_lens: (S,) int, total context length of each sequence INCLUDING this
+            step's query tokens, whose K/V must already be in the cache. The
+            q_len query rows are positions seq_len - q_len .. seq_len - 1 and each
+            attends to cache positions 0 .. its own position.
+        scale: multiplier applied to q.k scores.
+
+    Returns:
+        (T, Hq, Dh) in q.dtype; scores, softmax and the weighted sum of V are in
+        compute_dtype(q.dtype).
+    """
+    num_q_heads = q.shape[1]
+    num_kv_heads = k_cache.shape[2]
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
+    group = num_q_heads // num_kv_heads
+    block_size = k_cache.shape[1]
+    cdt = compute_dtype(q.dtype)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    if len(starts) != len(lens) + 1:
+        raise ValueError("query_start_loc must have one more entry than seq_lens")
+    out = torch.zeros_like(q)
+    for s, seq_len in enumerate(lens):
+        q_start, q_end = starts[s], starts[s + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        if q_len > seq_len:
+            raise ValueError(f"sequence {s}: {q_len} query tokens but seq_len {seq_len}")
+        pos = torch.arange(seq_len, device=q.device)
+        blocks = block_tables[s].long()[pos // block_size]
+        if bool((blocks < 0).any()):
+            raise ValueError(f"sequence {s}: block table too short for seq_len {seq_len}")
+        offsets = pos % block_size
+        k = k_cache[blocks, offsets].to(cdt).repeat_interleave(group, dim=1)  # (seq_len, Hq, Dh)
+        v = v_cache[blocks, offsets].to(cdt).repeat_interleave(group, dim=1)
+        qs = q[q_start:q_end].to(cdt)
+        scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
+        q_pos = pos[seq_len - q_len :]
+        allowed = pos[None, :] <= q_pos[:, None]  # (q_len, seq_len)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+    return out

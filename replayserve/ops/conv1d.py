@@ -1,0 +1,119 @@
+"""Reference depthwise causal conv1d used by the Mamba2 mixer (prefill and decode)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from replayserve.ops.dtypes import compute_dtype
+
+
+def _check_activation(activation: str | None) -> None:
+    if activation not in ("silu", None):
+        raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
+
+
+def _apply_taps(taps: list[Tensor], weight: Tensor, bias: Tensor | None, activation: str | None) -> Tensor:
+    # Prefill and decode both go through this tap-by-tap elementwise sum so that
+    # they perform the identical sequence of floating-point operations; a fused
+    # reduction could pick a different summation order depending on shape.
+    acc = taps[0] * weight[:, 0]
+    for k in range(1, len(taps)):
+        acc = acc + taps[k] * weight[:, k]
+    if bias is not None:
+        acc = acc + bias
+    if activation == "silu":
+        acc = F.silu(acc)
+    return acc
+
+
+def causal_conv1d_ref(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    conv_state: Tensor | None = None,
+    activation: str | None = "silu",
+) -> tuple[Tensor, Tensor]:
+    """Depthwise causal conv1d over one sequence, token-major.
+
+    Arguments:
+        x: (L, D) the tokens of one sequence, any float dtype.
+        weight: (D, K) depthwise kernel (HF ``conv1d.weight`` squeezed).
+        bias: (D,) or None.
+        conv_state: (D, K-1) the K-1 inputs preceding ``x``; None means zeros
+            (start of sequence).
+        activation: "silu" or None.
+
+    Returns:
+        y: (L, D) in x.dtype, y[t, d] = act(bias[d] + sum_k weight[d, k] * u[t + k, d])
+            with u = [conv_state.T ; x] of shape (L + K - 1, D), so the last tap
+            multiplies the current token. Computed in compute_dtype(x.dtype).
+        final_state: (D, K-1) in x.dtype, the last K-1 rows of u transposed;
+            valid also when L < K - 1 (part of it then comes from conv_state).
+    """
+    _check_activation(activation)
+    seqlen, dim = x.shape
+    if weight.shape[0] != dim:
+        raise ValueError(f"weight has {weight.shape[0]} channels, x has {dim}")
+    width = weight.shape[1]
+    if conv_state is None:
+        prev = x.new_zeros((width - 1, dim))
+    else:
+        if conv_state.shape != (dim, width - 1):
+            raise ValueError(f"conv_state must be {(dim, width - 1)}, got {tuple(conv_state.shape)}")
+        prev = conv_state.to(x.dtype).T
+    u = torch.cat([prev, x], dim=0)
+
+    cdt = compute_dtype(x.dtype)
+    uc = u.to(cdt)
+    taps = [uc[k : k + seqlen] for k in range(width)]
+    bias_c = None if bias is None else bias.to(cdt)
+    y = _apply_taps(taps, weight.to(cdt), bias_c, activation)
+    final_state = u[seqlen:].T.contiguous()
+    return y.to(x.dtype), final_state
+
+
+def causal_conv1d_update_ref(
+    x: Tensor,
+    conv_state: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    state_indices: Tensor,
+    activation: str | None = "silu",
+) -> Tensor:
+    """One decode step of the causal conv1d for a batch of sequences.
+
+    Arguments:
+        x: (B, D) one new token per row.
+        conv_state: (S, D, K-1) pool of state slots; rows ``state_indices`` are
+            updated IN PLACE (shifted left by one with x appended), all other
+            rows are left untouched. Indices must be distinct.
+        weight: (D, K) depthwise kernel.
+        bias: (D,) or None.
+        state_indices: (B,) int64, the slot of each row of x.
+        activation: "silu" or None.
+
+    Returns:
+        y: (B, D) in x.dtype; equals causal_conv1d_ref on the same token given
+            the same state (identical operation order).
+    """
+    _check_activation(activation)
+    batch, dim = x.shape
+    width = weight.shape[1]
+    if conv_state.shape[1:] != (dim, width - 1):
+        raise ValueError(f"conv_state must be (S, {dim}, {width - 1}), got {tuple(conv_state.shape)}")
+    if state_indices.shape != (batch,):
+        raise ValueError(f"state_indices must be ({batch},), got {tuple(state_indices.shape)}")
+    idx = state_indices.long()
+    # Cast the stored state to x.dtype first so decode sees exactly the values
+    # prefill would have seen in u.
+    window = torch.cat([conv_state[idx].to(x.dtype), x.unsqueeze(-1)], dim=-1)  # (B, D, K)
+
+    cdt = compute_dtype(x.dtype)
+    wc = window.to(cdt)
+    taps = [wc[..., k] for k in range(width)]
+    bias_c = None if bias is None else bias.to(cdt)
+    y = _apply_taps(taps, weight.to(cdt), bias_c, activation)
+    conv_state[idx] = window[..., 1:].to(conv_state.dtype)
+    return y.to(x.dtype)

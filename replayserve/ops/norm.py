@@ -1,0 +1,57 @@
+"""Reference RMS norms: plain, and the grouped gated variant used after the Mamba2 scan."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from replayserve.ops.dtypes import compute_dtype
+
+
+def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dimension.
+
+    Arguments:
+        x: (..., D) any float dtype.
+        weight: (D,).
+        eps: added to the mean square before the rsqrt.
+
+    Returns:
+        (..., D) in x.dtype: (x * rsqrt(mean(x^2) + eps) * weight), all computed in
+        compute_dtype(x.dtype) and cast once at the end.
+    """
+    cdt = compute_dtype(x.dtype)
+    h = x.to(cdt)
+    h = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (h * weight.to(cdt)).to(x.dtype)
+
+
+def gated_rms_norm_ref(x: Tensor, z: Tensor, weight: Tensor, eps: float, group_size: int) -> Tensor:
+    """Gated RMSNorm normalised per contiguous group of channels (NemotronHRMSNormGated).
+
+    Arguments:
+        x: (..., D) any float dtype.
+        z: (..., D) the gate.
+        weight: (D,).
+        eps: added to each group's mean square before the rsqrt.
+        group_size: channels per group; D % group_size == 0.
+
+    Returns:
+        (..., D): with h = x * silu(z) in compute_dtype(x.dtype), each group of
+        ``group_size`` channels is scaled by rsqrt(mean(h^2) + eps), then
+        ``weight * h.to(x.dtype)``. The cast happens before the weight multiply
+        to match Hugging Face, so the dtype is torch.promote_types(weight.dtype,
+        x.dtype) (x.dtype when both agree).
+    """
+    dim = x.shape[-1]
+    if z.shape != x.shape:
+        raise ValueError(f"z shape {tuple(z.shape)} != x shape {tuple(x.shape)}")
+    if dim % group_size != 0:
+        raise ValueError(f"D={dim} is not a multiple of group_size={group_size}")
+    cdt = compute_dtype(x.dtype)
+    h = x.to(cdt) * F.silu(z.to(cdt))
+    groups = h.reshape(*h.shape[:-1], dim // group_size, group_size)
+    groups = groups * torch.rsqrt(groups.pow(2).mean(dim=-1, keepdim=True) + eps)
+    h = groups.reshape(h.shape)
+    return weight * h.to(x.dtype)

@@ -1,0 +1,184 @@
+"""Reference Mamba2 SSD scan: chunked prefill for one sequence and the batched decode step."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from replayserve.ops.dtypes import compute_dtype
+
+
+def _process_dt(
+    dt: Tensor,
+    dt_bias: Tensor | None,
+    dt_softplus: bool,
+    dt_limit: tuple[float, float],
+) -> Tensor:
+    delta = dt if dt_bias is None else dt + dt_bias
+    if dt_softplus:
+        delta = F.softplus(delta)
+    return delta.clamp(min=dt_limit[0], max=dt_limit[1])
+
+
+def _heads_per_group(num_heads: int, num_groups: int) -> int:
+    if num_heads % num_groups != 0:
+        raise ValueError(f"H={num_heads} is not a multiple of G={num_groups}")
+    return num_heads // num_groups
+
+
+def ssd_chunk_scan_ref(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    chunk_size: int,
+    D: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    initial_state: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Mamba2 selective scan of one sequence in chunked (SSD) form.
+
+    Recurrence, with delta = clamp(softplus(dt + dt_bias), *dt_limit) per (t, h):
+        S_t = exp(delta_t * A) * S_{t-1} + delta_t * x_t B_t^T    (S_t: (P, N) per head)
+        y_t = S_t C_t + D * x_t
+
+    Arguments:
+        x: (L, H, P), L >= 1 and any multiple of chunk_size or not.
+        dt: (L, H) raw time step.
+        A: (H,) negative decay rates (-exp(A_log)).
+        B, C: (L, G, N), H % G == 0; head h uses group h // (H // G).
+        chunk_size: tokens per chunk of the quadratic intra-chunk form.
+        D: (H,) skip connection, or None.
+        dt_bias: (H,) or None.
+        dt_softplus: apply softplus to dt + dt_bias.
+        dt_limit: (min, max) clamp applied to the processed dt.
+        initial_state: (H, P, N) or None (zeros).
+
+    Returns:
+        y: (L, H, P) in x.dtype.
+        final_state: (H, P, N) in compute_dtype(x.dtype), the state after token L-1.
+    """
+    seqlen, nheads, headdim = x.shape
+    ngroups, dstate = B.shape[1], B.shape[2]
+    rep = _heads_per_group(nheads, ngroups)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    cdt = compute_dtype(x.dtype)
+
+    delta = _process_dt(dt.to(cdt), None if dt_bias is None else dt_bias.to(cdt), dt_softplus, dt_limit)
+    xc = x.to(cdt)
+    Bh = B.to(cdt).repeat_interleave(rep, dim=1)  # (L, H, N)
+    Ch = C.to(cdt).repeat_interleave(rep, dim=1)
+
+    # Padding with delta = 0 and x = B = C = 0 makes the extra tokens an exact
+    # identity on the state (decay exp(0) = 1, zero input), so the last chunk
+    # needs no special casing and the final state is unaffected.
+    nchunks = -(-seqlen // chunk_size)
+    pad = nchunks * chunk_size - seqlen
+
+    def chunked(t: Tensor) -> Tensor:
+        t = F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad))
+        return t.reshape(nchunks, chunk_size, *t.shape[1:])
+
+    xs, dts, Bs, Cs = chunked(xc), chunked(delta), chunked(Bh), chunked(Ch)
+    dA = dts * A.to(cdt)  # (c, Q, H), <= 0
+    cum = torch.cumsum(dA, dim=1)  # inclusive, per chunk
+
+    # Intra-chunk (diagonal blocks): y_i += sum_{j<=i} exp(cum_i - cum_j) (C_i.B_j) delta_j x_j.
+    # The difference is masked to -inf above the diagonal before exp, since
+    # there it is positive and could overflow into inf * 0 = nan.
+    seg = cum[:, :, None, :] - cum[:, None, :, :]  # (c, i, j, H)
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()
+    decay_ij = torch.exp(seg.masked_fill(~causal[None, :, :, None], float("-inf")))
+    scores = torch.einsum("cihn,cjhn->cijh", Cs, Bs) * decay_ij
+    y = torch.einsum("cijh,cjh,cjhp->cihp", scores, dts, xs)
+
+    # Each chunk's own contribution to the state at its last token.
+    decay_to_end = torch.exp(cum[:, -1:, :] - cum)  # (c, Q, H)
+    chunk_states = torch.einsum("cjh,cjh,cjhp,cjhn->chpn", decay_to_end, dts, xs, Bs)
+
+    # State passing between chunks is sequential over chunks only; each step
+    # decays by one chunk's total, so no long-range cumsum difference can lose
+    # precision by cancellation.
+    if initial_state is None:
+        state = x.new_zeros((nheads, headdim, dstate), dtype=cdt)
+    else:
+        state = initial_state.to(cdt)
+    chunk_total = torch.exp(cum[:, -1, :])  # (c, H)
+    states_in = []
+    for c in range(nchunks):
+        states_in.append(state)
+        state = chunk_total[c][:, None, None] * state + chunk_states[c]
+    prev = torch.stack(states_in)  # (c, H, P, N): state entering each chunk
+
+    # Off-diagonal: the carried-in state decayed to each position, read out by C.
+    y = y + torch.einsum("cih,cihn,chpn->cihp", torch.exp(cum), Cs, prev)
+    y = y.reshape(nchunks * chunk_size, nheads, headdim)[:seqlen]
+    if D is not None:
+        y = y + D.to(cdt)[:, None] * xc
+    return y.to(x.dtype), state
+
+
+def selective_state_update_ref(
+    state: Tensor,
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    state_indices: Tensor | None = None,
+) -> Tensor:
+    """One Mamba2 decode step for a batch of sequences (same recurrence as ssd_chunk_scan_ref).
+
+    Arguments:
+        state: (S, H, P, N) pool of SSM states; rows ``state_indices`` are
+            updated IN PLACE (written back in state.dtype), other rows untouched.
+        x: (B, H, P) one token per sequence.
+        dt: (B, H) raw time step.
+        A: (H,) negative decay rates.
+        B, C: (B, G, N), H % G == 0.
+        D: (H,) or None.
+        dt_bias: (H,) or None.
+        dt_softplus: apply softplus to dt + dt_bias.
+        dt_limit: (min, max) clamp applied to the processed dt.
+        state_indices: (B,) int64 distinct slots, or None for arange(B) with S == B.
+
+    Returns:
+        y: (B, H, P) in x.dtype. Computed in the wider of state.dtype and
+        compute_dtype(x.dtype).
+    """
+    batch, nheads, _ = x.shape
+    rep = _heads_per_group(nheads, B.shape[1])
+    if state_indices is None:
+        if state.shape[0] != batch:
+            raise ValueError(f"state_indices=None needs S == B, got S={state.shape[0]}, B={batch}")
+        idx = torch.arange(batch, device=state.device)
+    else:
+        if state_indices.shape != (batch,):
+            raise ValueError(f"state_indices must be ({batch},), got {tuple(state_indices.shape)}")
+        idx = state_indices.long()
+    cdt = torch.promote_types(state.dtype, compute_dtype(x.dtype))
+
+    delta = _process_dt(dt.to(cdt), None if dt_bias is None else dt_bias.to(cdt), dt_softplus, dt_limit)
+    xc = x.to(cdt)
+    Bh = B.to(cdt).repeat_interleave(rep, dim=1)  # (B, H, N)
+    Ch = C.to(cdt).repeat_interleave(rep, dim=1)
+    decay = torch.exp(delta * A.to(cdt))  # (B, H)
+
+    s = state[idx].to(cdt)
+    s = decay[:, :, None, None] * s + (delta[:, :, None] * xc)[..., None] * Bh[:, :, None, :]
+    y = torch.einsum("bhpn,bhn->bhp", s, Ch)
+    if D is not None:
+        y = y + D.to(cdt)[:, None] * xc
+    state[idx] = s.to(state.dtype)
+    return y.to(x.dtype)

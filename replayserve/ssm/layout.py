@@ -1,0 +1,80 @@
+"""The one place that derives every Mamba state tensor's shape and dtype from the configs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from replayserve.config import ModelConfig
+from replayserve.ops.dtypes import compute_dtype
+
+
+@dataclass(frozen=True)
+class MambaLayout:
+    """Per-slot Mamba2 state geometry for all Mamba layers of a model (one tensor-parallel rank)."""
+
+    num_layers: int
+    num_slots: int
+    num_heads: int  # H
+    head_dim: int  # P
+    state_size: int  # N
+    n_groups: int  # G
+    conv_kernel: int  # K
+    act_dtype: torch.dtype
+    state_dtype: torch.dtype
+
+    @classmethod
+    def from_config(cls, model: ModelConfig, num_slots: int, dtype: torch.dtype) -> MambaLayout:
+        # The SSM state accumulates over the whole sequence, so half-precision models keep it in
+        # float32 (Hugging Face's `mamba_ssm_cache_dtype` default); wider dtypes keep their own.
+        return cls(
+            num_layers=model.num_mamba_layers,
+            num_slots=num_slots,
+            num_heads=model.mamba_num_heads,
+            head_dim=model.mamba_head_dim,
+            state_size=model.ssm_state_size,
+            n_groups=model.n_groups,
+            conv_kernel=model.conv_kernel,
+            act_dtype=dtype,
+            state_dtype=compute_dtype(dtype),
+        )
+
+    @property
+    def x_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def bc_dim(self) -> int:
+        return self.n_groups * self.state_size
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the depthwise conv: x, B and C concatenated."""
+        return self.x_dim + 2 * self.bc_dim
+
+    @property
+    def conv_state_shape(self) -> tuple[int, int, int]:
+        """(slots, conv_dim, K - 1): the last K - 1 pre-conv inputs, oldest first."""
+        return (self.num_slots, self.conv_dim, self.conv_kernel - 1)
+
+    @property
+    def ssm_state_shape(self) -> tuple[int, int, int, int]:
+        """(slots, H, P, N)."""
+        return (self.num_slots, self.num_heads, self.head_dim, self.state_size)
+
+    def split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(T, conv_dim) -> x (T, H, P), B (T, G, N), C (T, G, N)."""
+        x, b, c = xbc.split([self.x_dim, self.bc_dim, self.bc_dim], dim=-1)
+        t = xbc.shape[0]
+        return (
+            x.reshape(t, self.num_heads, self.head_dim),
+            b.reshape(t, self.n_groups, self.state_size),
+            c.reshape(t, self.n_groups, self.state_size),
+        )
+
+    def bytes_per_slot(self) -> int:
+        """Resident bytes of one slot over all layers."""
+        conv = self.conv_dim * (self.conv_kernel - 1) * self.act_dtype.itemsize
+        ssm = self.num_heads * self.head_dim * self.state_size * self.state_dtype.itemsize
+        return self.num_layers * (conv + ssm)

@@ -1,0 +1,159 @@
+"""Bad input raises a clear error, and the engine keeps serving without leaking blocks or slots."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from replayserve import LLM, SamplingParams
+from replayserve.config import ConfigError
+from replayserve.models.loader import CheckpointError
+from tests.conftest import assert_pools_full
+
+GOOD = {"prompt_token_ids": [5, 6, 7, 8]}
+PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir: Path) -> LLM:
+    return LLM(model=str(tiny_model_dir), dtype="float32", max_num_seqs=4, max_model_len=64, block_size=8)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ({"prompt_token_ids": []}, "empty"),
+        ("", "empty"),
+        ({"prompt_token_ids": list(range(3, 67))}, "max_model_len=64"),
+        ({"prompt_token_ids": [5, -1]}, "ints in"),
+        ({"prompt_token_ids": [5, 10**9]}, "ints in"),
+        ({"prompt_token_ids": [5, 1.5]}, "ints in"),
+        ({"tokens": [5]}, "a prompt is a string"),
+        (42, "a prompt is a string"),
+    ],
+)
+def test_bad_prompt_is_rejected_and_engine_still_serves(llm: LLM, prompt, message: str) -> None:
+    expected = llm.generate(GOOD, PARAMS, use_tqdm=False)[0].token_ids
+    with pytest.raises(ValueError, match=message):
+        # The bad prompt comes second: the good one before it must not be admitted either.
+        llm.generate([GOOD, prompt], PARAMS, use_tqdm=False)
+    assert_pools_full(llm)
+    assert llm.generate(GOOD, PARAMS, use_tqdm=False)[0].token_ids == expected
+    assert_pools_full(llm)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "option"),
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"logprobs": -2}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [-3]}, "stop_token_ids"),
+    ],
+)
+def test_invalid_sampling_values_name_the_option(kwargs: dict, option: str) -> None:
+    with pytest.raises(ValueError, match=f"SamplingParams.{option}"):
+        SamplingParams(**kwargs)
+
+
+def test_mismatched_params_list_is_rejected(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="2 prompts but 1 SamplingParams"):
+        llm.generate([GOOD, GOOD], [PARAMS], use_tqdm=False)
+    assert_pools_full(llm)
+
+
+def test_interrupted_generate_frees_everything(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = {"n": 0}
+    real_step = llm.engine.step
+
+    def failing_step():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(llm.engine, "step", failing_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([GOOD] * 3, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    monkeypatch.undo()
+    assert_pools_full(llm)
+    assert len(llm.generate(GOOD, PARAMS, use_tqdm=False)[0].token_ids) == 4
+
+
+def _broken_copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_directory_and_config(tmp_path: Path, tiny_model_dir: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        LLM(model=str(tmp_path / "nowhere"))
+    d = _broken_copy(tiny_model_dir, tmp_path / "m")
+    (d / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        LLM(model=str(d))
+
+
+@pytest.mark.parametrize(
+    ("edit", "error", "message"),
+    [
+        (lambda c: "{not json", ConfigError, "not valid JSON"),
+        (lambda c: {**c, "quantization_config": {"bits": 4}}, ConfigError, "unsupported keys.*quantization_config"),
+        (lambda c: {**c, "layers_block_type": ["linear_attention", "conv"]}, ConfigError, "conv"),
+        (lambda c: {**c, "model_type": "llama"}, ConfigError, "model_type"),
+        (lambda c: {**c, "mlp_hidden_act": "gelu"}, ConfigError, "mlp_hidden_act"),
+        (lambda c: {**c, "n_groups": 3}, ConfigError, "n_groups"),
+        (lambda c: {**c, "hidden_size": 64}, CheckpointError, "shape"),
+    ],
+)
+def test_malformed_config(tmp_path: Path, tiny_model_dir: Path, edit, error, message: str) -> None:
+    d = _broken_copy(tiny_model_dir, tmp_path / "m")
+    edited = edit(json.loads((d / "config.json").read_text()))
+    (d / "config.json").write_text(edited if isinstance(edited, str) else json.dumps(edited))
+    with pytest.raises(error, match=message):
+        LLM(model=str(d), dtype="float32")
+
+
+def test_malformed_weights(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    d = _broken_copy(tiny_model_dir, tmp_path / "m")
+    (d / "model.safetensors").write_bytes(b"\x00garbage")
+    with pytest.raises(CheckpointError, match="not a valid safetensors"):
+        LLM(model=str(d))
+    (d / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        LLM(model=str(d))
+
+    state = load_file(str(tiny_model_dir / "model.safetensors"))
+    missing = {k: v for k, v in state.items() if not k.endswith("mixer.A_log")}
+    save_file(missing, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="missing tensors.*A_log"):
+        LLM(model=str(d))
+    save_file({**state, "backbone.extra.weight": state["backbone.norm_f.weight"].clone()}, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="does not use.*backbone.extra.weight"):
+        LLM(model=str(d))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "option"),
+    [
+        ({"dtype": "int8"}, "dtype"),
+        ({"device": "tpu"}, "device"),
+        ({"ssm_backend": "magic"}, "ssm_backend"),
+        ({"block_size": 0}, "block_size"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"num_kv_blocks": 2, "max_model_len": 64, "block_size": 8}, "num_kv_blocks"),
+    ],
+)
+def test_invalid_engine_options_name_the_option(tiny_model_dir: Path, kwargs: dict, option: str) -> None:
+    with pytest.raises(ConfigError, match=f"engine option {option}"):
+        LLM(model=str(tiny_model_dir), **kwargs)
