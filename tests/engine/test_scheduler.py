@@ -1,0 +1,83 @@
+"""Scheduling policy on plain data: no model, no tensors."""
+
+from __future__ import annotations
+
+from replayserve.cache.block_pool import IdPool, KVBlockManager
+from replayserve.engine.request import Request, SamplingParams
+from replayserve.engine.scheduler import Scheduler, StepPlan
+
+
+def _scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 8, max_seqs: int = 4) -> Scheduler:
+    return Scheduler(max_seqs, budget, KVBlockManager(num_blocks, block_size), IdPool(max_seqs, "slots"))
+
+
+def _request(i: int, n: int) -> Request:
+    return Request(str(i), list(range(3, 3 + n)), SamplingParams(max_tokens=100), arrival=i)
+
+
+def _run(s: Scheduler, plan: StepPlan, token: int = 7) -> None:
+    """What the engine does after a step: mark computed, append a token to sampling rows."""
+    s.update(plan)
+    for seq in plan.seqs:
+        if seq.sample:
+            s.unfinished[seq.request_id].output_token_ids.append(token)
+
+
+def test_chunked_prefill_shares_steps_with_decodes_under_the_budget() -> None:
+    s = _scheduler(budget=8)
+    s.add(_request(0, 3))
+    s.add(_request(1, 19))
+    plan = s.schedule()
+    assert [(q.request_id, len(q.token_ids), q.sample) for q in plan.seqs] == [("0", 3, True), ("1", 5, False)]
+    assert plan.reset_slots == (0, 1)
+    _run(s, plan)
+    plan = s.schedule()
+    # Request 0 decodes (first), request 1 continues its prefill with the rest of the budget.
+    assert [(q.request_id, q.is_decode, len(q.token_ids), q.start_pos) for q in plan.seqs] == [
+        ("0", True, 1, 3), ("1", False, 7, 5)
+    ]
+    assert plan.num_tokens <= 8 and plan.reset_slots == ()
+    _run(s, plan)
+    plan = s.schedule()
+    assert [(q.request_id, len(q.token_ids), q.sample) for q in plan.seqs] == [("0", 1, True), ("1", 7, True)]
+    # The block table covers exactly the positions computed so far.
+    assert len(plan.seqs[1].block_table) == 5
+
+
+def test_max_num_seqs_and_slots_bound_admission() -> None:
+    s = _scheduler(budget=100, max_seqs=2)
+    for i in range(3):
+        s.add(_request(i, 4))
+    plan = s.schedule()
+    assert [q.request_id for q in plan.seqs] == ["0", "1"]
+    assert len(s.waiting) == 1
+
+
+def test_preemption_frees_the_newest_and_readmits_with_its_outputs() -> None:
+    # 6 blocks of 4 tokens: two 8-token prompts fill 4 blocks; growth runs out at 12 tokens each.
+    s = _scheduler(num_blocks=6, block_size=4, budget=100)
+    s.add(_request(0, 8))
+    s.add(_request(1, 8))
+    preempted = []
+    for _ in range(8):
+        plan = s.schedule()
+        preempted += plan.preempted
+        _run(s, plan)
+    assert preempted == ["1"]
+    assert s.kv.pool.num_free + sum(len(t) for t in s.kv.tables.values()) == 6
+    victim = s.unfinished["1"]
+    assert victim.output_token_ids and victim.num_computed_tokens == 0 and victim in s.waiting
+    s.finish(s.unfinished["0"], "length")
+    # Readmitted: it prefills its prompt plus the tokens it had generated, from position 0, in a fresh slot.
+    plan = s.schedule()
+    (seq,) = plan.seqs
+    assert (seq.request_id, seq.start_pos, seq.token_ids) == ("1", 0, tuple(victim.all_token_ids))
+    assert seq.state_slot in plan.reset_slots and not seq.is_decode
+
+
+def test_finish_releases_blocks_and_slot() -> None:
+    s = _scheduler()
+    s.add(_request(0, 9))
+    _run(s, s.schedule())
+    s.finish(s.unfinished["0"], "stop")
+    assert s.kv.pool.num_free == 64 and s.slots.num_free == 4 and not s.has_unfinished()
