@@ -19,7 +19,9 @@ PATTERN_CHARS = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
-SSM_BACKENDS = ("baseline",)
+SSM_BACKENDS = ("baseline", "replay")
+# The Triton ReplaySSM step holds the ring in one tile of next_pow2(R) entries.
+MAX_REPLAY_WINDOW = 64
 
 # Keys every Hugging Face config may carry that do not change the computation.
 _IGNORED_HF_KEYS = frozenset(
@@ -201,6 +203,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     ssm_backend: str = "baseline"
+    replay_window: int = 16
 
     def __post_init__(self) -> None:
         def fail(option: str, why: str) -> None:
@@ -212,6 +215,14 @@ class EngineConfig:
             fail("device", f"{self.device!r} is not one of {DEVICES}")
         if self.ssm_backend not in SSM_BACKENDS:
             fail("ssm_backend", f"{self.ssm_backend!r} is not one of {SSM_BACKENDS}")
+        if self.ssm_backend == "replay":
+            tokens_per_step = 1
+            if not tokens_per_step <= self.replay_window <= MAX_REPLAY_WINDOW:
+                fail("replay_window", f"{self.replay_window} must be in [{tokens_per_step} (tokens per step), "
+                     f"{MAX_REPLAY_WINDOW} (the kernel's limit)]")
+            if self.dtype == "float64" and self.device.startswith("cuda"):
+                fail("dtype", "float64 with ssm_backend='replay' runs only on the CPU reference ops; "
+                     "use float32, bfloat16 or float16 on CUDA")
         for option in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, option) < 1:
                 fail(option, f"must be >= 1, got {getattr(self, option)}")

@@ -35,6 +35,8 @@ class LLM:
     """A loaded model and its engine.
 
     dtype: "auto" (bfloat16 on CUDA, float32 on CPU) or one of float32/float64/bfloat16/float16.
+    ssm_backend: "baseline" (state read and written every decode step) or "replay" (ReplaySSM:
+    checkpoint + rings of the last `replay_window` tokens' inputs, state written on flush).
     """
 
     def __init__(
@@ -48,6 +50,7 @@ class LLM:
         max_model_len: int | None = None,
         num_kv_blocks: int | None = None,
         ssm_backend: str = "baseline",
+        replay_window: int = 16,
     ) -> None:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if dtype == "auto":
@@ -55,7 +58,7 @@ class LLM:
         self.config = EngineConfig(
             model=ModelConfig.from_dir(model), dtype=dtype, device=device, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, block_size=block_size,
-            num_kv_blocks=num_kv_blocks, ssm_backend=ssm_backend,
+            num_kv_blocks=num_kv_blocks, ssm_backend=ssm_backend, replay_window=replay_window,
         )
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("engine option device: 'cuda' was asked for but torch sees no CUDA device")

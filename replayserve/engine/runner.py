@@ -15,11 +15,14 @@ from replayserve.models.nemotron_h import NemotronHForCausalLM
 from replayserve.ssm.backend import SSMBackend
 from replayserve.ssm.baseline import BaselineBackend
 from replayserve.ssm.layout import MambaLayout
+from replayserve.ssm.replay import ReplayBackend
 
 
 def make_ssm_backend(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> SSMBackend:
-    layout = MambaLayout.from_config(config.model, num_slots=config.max_num_seqs, dtype=dtype)
-    return BaselineBackend(layout, device)
+    if config.ssm_backend == "replay":
+        layout = MambaLayout.from_config(config.model, config.max_num_seqs, dtype, window=config.replay_window)
+        return ReplayBackend(layout, device)
+    return BaselineBackend(MambaLayout.from_config(config.model, config.max_num_seqs, dtype), device)
 
 
 class Runner:
@@ -79,10 +82,18 @@ class Runner:
         if plan.reset_slots:
             self.ssm.reset_slots(torch.tensor(plan.reset_slots, dtype=torch.int64, device=self.device))
         input_ids, ctx = self.build_context(plan)
+        decode_slots = ctx.state_slots[: ctx.num_decodes]
+        tokens_per_row = torch.ones_like(decode_slots, dtype=torch.int32)  # no draft tokens yet
+        if ctx.num_decodes:
+            self.ssm.begin_step(decode_slots, tokens_per_row)
         hidden = self.model(input_ids, ctx, self.kv_caches, self.ssm)
         ends = itertools.accumulate(ctx.query_lens)
         last = [end - 1 for seq, end in zip(plan.seqs, ends, strict=True) if seq.sample]
-        if not last:
-            return []
-        logits = self.model.compute_logits(hidden[torch.tensor(last, device=self.device)])
-        return sample(logits, params, generators)
+        results = []
+        if last:
+            logits = self.model.compute_logits(hidden[torch.tensor(last, device=self.device)])
+            results = sample(logits, params, generators)
+        if ctx.num_decodes:
+            # After sampling, once for all Mamba layers: every decode row keeps its one token.
+            self.ssm.end_step(decode_slots, tokens_per_row)
+        return results

@@ -11,12 +11,16 @@ from torch import Tensor
 from replayserve.ops.dtypes import compute_dtype
 
 
-def _process_dt(
+def process_dt(
     dt: Tensor,
     dt_bias: Tensor | None,
     dt_softplus: bool,
     dt_limit: tuple[float, float],
 ) -> Tensor:
+    """Processed time step: clamp(softplus(dt + dt_bias), *dt_limit), elementwise, in dt's dtype.
+
+    dt_bias broadcasts against dt's last (head) axis; shared by every op that takes a raw dt.
+    """
     delta = dt if dt_bias is None else dt + dt_bias
     if dt_softplus:
         delta = F.softplus(delta)
@@ -71,7 +75,7 @@ def ssd_chunk_scan_ref(
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     cdt = compute_dtype(x.dtype)
 
-    delta = _process_dt(dt.to(cdt), None if dt_bias is None else dt_bias.to(cdt), dt_softplus, dt_limit)
+    delta = process_dt(dt.to(cdt), None if dt_bias is None else dt_bias.to(cdt), dt_softplus, dt_limit)
     xc = x.to(cdt)
     Bh = B.to(cdt).repeat_interleave(rep, dim=1)  # (L, H, N)
     Ch = C.to(cdt).repeat_interleave(rep, dim=1)
@@ -169,7 +173,7 @@ def selective_state_update_ref(
         idx = state_indices.long()
     cdt = torch.promote_types(state.dtype, compute_dtype(x.dtype))
 
-    delta = _process_dt(dt.to(cdt), None if dt_bias is None else dt_bias.to(cdt), dt_softplus, dt_limit)
+    delta = process_dt(dt.to(cdt), None if dt_bias is None else dt_bias.to(cdt), dt_softplus, dt_limit)
     xc = x.to(cdt)
     Bh = B.to(cdt).repeat_interleave(rep, dim=1)  # (B, H, N)
     Ch = C.to(cdt).repeat_interleave(rep, dim=1)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from replayserve.ops.conv1d import causal_conv1d_ref
+from replayserve.ops.ssd import ssd_chunk_scan_ref
 from replayserve.ssm.layout import MambaLayout
 
 
@@ -31,19 +33,35 @@ class SSMBackend(ABC):
     """Owns the conv and SSM state of every Mamba layer, indexed by state slot."""
 
     layout: MambaLayout
+    conv_state: list[torch.Tensor]  # per Mamba layer, layout.conv_state_shape
+    ssm_state: list[torch.Tensor]  # per Mamba layer, layout.ssm_state_shape (the checkpoint for replay)
 
     @abstractmethod
     def reset_slots(self, slots: torch.Tensor) -> None:
         """Zeroes every layer's state of `slots` (int64, on the device): a fresh request."""
 
-    @abstractmethod
     def prefill(
         self, layer: int, slot: int, xbc: torch.Tensor, dt: torch.Tensor, params: MambaParams
     ) -> torch.Tensor:
         """Runs one sequence's prefill chunk from the state in `slot` and stores the state after it.
 
-        xbc: (L, conv_dim) pre-conv inputs; dt: (L, H) raw time steps. Returns y (L, H, P).
+        xbc: (L, conv_dim) pre-conv inputs; dt: (L, H) raw time steps. Returns y (L, H, P). The
+        stored state is canonical: both backends continue decode from it with empty history.
         """
+        conv_state, ssm_state = self.conv_state[layer], self.ssm_state[layer]
+        xbc, conv_state[slot] = causal_conv1d_ref(xbc, params.conv_weight, params.conv_bias, conv_state[slot])
+        x, b, c = self.layout.split_xbc(xbc)
+        y, ssm_state[slot] = ssd_chunk_scan_ref(
+            x, dt, params.A, b, c, params.chunk_size, D=params.D, dt_bias=params.dt_bias,
+            dt_limit=params.dt_limit, initial_state=ssm_state[slot],
+        )
+        return y
+
+    def begin_step(self, slots: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        """Before the forward: the decode rows' slots (B,) int64 and tokens per row (B,) int32."""
+
+    def end_step(self, slots: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """After sampling, once per step for all layers: tokens kept per decode row (B,) int32."""
 
     @abstractmethod
     def decode(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from replayserve.ops.conv1d import causal_conv1d_ref, causal_conv1d_update_ref
-from replayserve.ops.ssd import selective_state_update_ref, ssd_chunk_scan_ref
+from replayserve.ops.conv1d import causal_conv1d_update_ref
+from replayserve.ops.ssd import selective_state_update_ref
 from replayserve.ssm.backend import MambaParams, SSMBackend
 from replayserve.ssm.layout import MambaLayout
 
@@ -13,6 +13,11 @@ from replayserve.ssm.layout import MambaLayout
 class BaselineBackend(SSMBackend):
     def __init__(self, layout: MambaLayout, device: torch.device) -> None:
         self.layout = layout
+        self._update = selective_state_update_ref
+        if device.type == "cuda":
+            from replayserve.ops.ssu_triton import selective_state_update_triton
+
+            self._update = selective_state_update_triton
         # Zero-initialised so padded or never-used slots hold finite values.
         self.conv_state = [
             torch.zeros(layout.conv_state_shape, dtype=layout.act_dtype, device=device)
@@ -30,24 +35,12 @@ class BaselineBackend(SSMBackend):
         for t in self.state_tensors():
             t.index_fill_(0, slots, 0)
 
-    def prefill(
-        self, layer: int, slot: int, xbc: torch.Tensor, dt: torch.Tensor, params: MambaParams
-    ) -> torch.Tensor:
-        conv_state = self.conv_state[layer]
-        xbc, conv_state[slot] = causal_conv1d_ref(xbc, params.conv_weight, params.conv_bias, conv_state[slot])
-        x, b, c = self.layout.split_xbc(xbc)
-        y, self.ssm_state[layer][slot] = ssd_chunk_scan_ref(
-            x, dt, params.A, b, c, params.chunk_size, D=params.D, dt_bias=params.dt_bias,
-            dt_limit=params.dt_limit, initial_state=self.ssm_state[layer][slot],
-        )
-        return y
-
     def decode(
         self, layer: int, slots: torch.Tensor, xbc: torch.Tensor, dt: torch.Tensor, params: MambaParams
     ) -> torch.Tensor:
         xbc = causal_conv1d_update_ref(xbc, self.conv_state[layer], params.conv_weight, params.conv_bias, slots)
         x, b, c = self.layout.split_xbc(xbc)
-        return selective_state_update_ref(
+        return self._update(
             self.ssm_state[layer], x, dt, params.A, b, c, D=params.D, dt_bias=params.dt_bias,
             dt_limit=params.dt_limit, state_indices=slots,
         )

@@ -23,9 +23,13 @@ class MambaLayout:
     conv_kernel: int  # K
     act_dtype: torch.dtype
     state_dtype: torch.dtype
+    window: int = 0  # ReplaySSM logical window W; 0 for the baseline backend (no rings)
+    tokens_per_step: int = 1  # T: 1 for plain decode, 1 + k with k draft tokens
 
     @classmethod
-    def from_config(cls, model: ModelConfig, num_slots: int, dtype: torch.dtype) -> MambaLayout:
+    def from_config(
+        cls, model: ModelConfig, num_slots: int, dtype: torch.dtype, window: int = 0, tokens_per_step: int = 1
+    ) -> MambaLayout:
         # The SSM state accumulates over the whole sequence, so half-precision models keep it in
         # float32 (Hugging Face's `mamba_ssm_cache_dtype` default); wider dtypes keep their own.
         return cls(
@@ -38,6 +42,8 @@ class MambaLayout:
             conv_kernel=model.conv_kernel,
             act_dtype=dtype,
             state_dtype=compute_dtype(dtype),
+            window=window,
+            tokens_per_step=tokens_per_step,
         )
 
     @property
@@ -73,8 +79,27 @@ class MambaLayout:
             c.reshape(t, self.n_groups, self.state_size),
         )
 
-    def bytes_per_slot(self) -> int:
-        """Resident bytes of one slot over all layers."""
-        conv = self.conv_dim * (self.conv_kernel - 1) * self.act_dtype.itemsize
-        ssm = self.num_heads * self.head_dim * self.state_size * self.state_dtype.itemsize
-        return self.num_layers * (conv + ssm)
+    @property
+    def ring_len(self) -> int:
+        """R = W + T exactly: never rounded up, since kernels infer the window as R - T."""
+        return self.window + self.tokens_per_step if self.window else 0
+
+    @property
+    def x_ring_shape(self) -> tuple[int, int, int, int]:
+        """(slots, H, R, P), activation dtype."""
+        return (self.num_slots, self.num_heads, self.ring_len, self.head_dim)
+
+    @property
+    def dt_ring_shape(self) -> tuple[int, int, int]:
+        """(slots, H, R), state dtype: processed time steps, so replay needs no bias or softplus."""
+        return (self.num_slots, self.num_heads, self.ring_len)
+
+    @property
+    def b_ring_shape(self) -> tuple[int, int, int, int]:
+        """(slots, G, R, N), activation dtype: shared by the group's heads."""
+        return (self.num_slots, self.n_groups, self.ring_len, self.state_size)
+
+    @property
+    def cursor_shape(self) -> tuple[int]:
+        """(slots,): ring_start and history int32, is_flush bool; shared by all Mamba layers."""
+        return (self.num_slots,)

@@ -1,0 +1,75 @@
+"""The ReplaySSM backend: a checkpoint plus rings of recent (x, dt, B); the state is written on flush.
+
+Prefill (shared with the baseline) writes canonical state into the checkpoint and leaves the
+slot's cursors at zero, since a prefilling slot is always fresh.
+
+Cursors (`ring_start`, `history`, `is_flush`) belong to a slot and are shared by every Mamba layer:
+`begin_step` sets the flush flags before the forward, `end_step` commits once after sampling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from replayserve.ops import replay_ssm as ref
+from replayserve.ops.conv1d import causal_conv1d_update_ref
+from replayserve.ssm.backend import MambaParams, SSMBackend
+from replayserve.ssm.layout import MambaLayout
+
+
+def _kernels(device: torch.device):  # noqa: ANN202 - returns a module-like namespace
+    """Triton kernels on CUDA, the plain-PyTorch references elsewhere."""
+    if device.type == "cuda":
+        from replayserve.ops import replay_ssm_triton as tk
+
+        return tk.replay_prepare_triton, tk.replay_step_triton, tk.replay_commit_triton
+    return ref.replay_prepare_ref, ref.replay_step_ref, ref.replay_commit_ref
+
+
+class ReplayBackend(SSMBackend):
+    def __init__(self, layout: MambaLayout, device: torch.device) -> None:
+        if layout.window < layout.tokens_per_step:
+            raise ValueError(f"replay_window={layout.window} must be >= tokens per step {layout.tokens_per_step}")
+        self.layout = layout
+        self._prepare, self._step, self._commit = _kernels(device)
+
+        def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+            # Zero-initialised: padded and never-used slots must hold finite values.
+            return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)]
+
+        self.conv_state = zeros(layout.conv_state_shape, layout.act_dtype)
+        self.ssm_state = zeros(layout.ssm_state_shape, layout.state_dtype)
+        self.x_ring = zeros(layout.x_ring_shape, layout.act_dtype)
+        self.dt_ring = zeros(layout.dt_ring_shape, layout.state_dtype)
+        self.b_ring = zeros(layout.b_ring_shape, layout.act_dtype)
+        self.ring_start = torch.zeros(layout.cursor_shape, dtype=torch.int32, device=device)
+        self.history = torch.zeros(layout.cursor_shape, dtype=torch.int32, device=device)
+        self.is_flush = torch.zeros(layout.cursor_shape, dtype=torch.bool, device=device)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [*self.conv_state, *self.ssm_state, *self.x_ring, *self.dt_ring, *self.b_ring,
+                self.ring_start, self.history, self.is_flush]
+
+    def reset_slots(self, slots: torch.Tensor) -> None:
+        for t in self.state_tensors():
+            t.index_fill_(0, slots, 0)
+
+    def begin_step(self, slots: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        fresh = torch.zeros_like(slots, dtype=torch.bool)  # fresh slots were reset at admission
+        self._prepare(self.ring_start, self.history, self.is_flush, slots, num_tokens, fresh, self.layout.window)
+
+    def decode(
+        self, layer: int, slots: torch.Tensor, xbc: torch.Tensor, dt: torch.Tensor, params: MambaParams
+    ) -> torch.Tensor:
+        xbc = causal_conv1d_update_ref(xbc, self.conv_state[layer], params.conv_weight, params.conv_bias, slots)
+        x, b, c = self.layout.split_xbc(xbc)
+        ones = torch.ones_like(slots, dtype=torch.int32)
+        y = self._step(
+            self.ssm_state[layer], self.x_ring[layer], self.dt_ring[layer], self.b_ring[layer],
+            self.ring_start, self.history, self.is_flush, slots, ones,
+            x[:, None], dt[:, None], params.A, b[:, None], c[:, None], params.D, params.dt_bias, params.dt_limit,
+        )
+        return y[:, 0]
+
+    def end_step(self, slots: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        self._commit(self.ring_start, self.history, self.is_flush, slots, num_accepted, self.layout.ring_len)
