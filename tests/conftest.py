@@ -1,11 +1,19 @@
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
-import pytest
 import torch
 
-from replayserve.tiny import make_tiny
+# TRITON_INTERPRET is read when a kernel is decorated, so it must be set before any test imports
+# one; without a GPU the Triton kernels run in the interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from replayserve.tiny import make_tiny  # noqa: E402
 
 torch.set_num_threads(2)
 

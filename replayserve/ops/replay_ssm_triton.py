@@ -1,0 +1,424 @@
+"""Triton ReplaySSM (Mode B) kernels: match ``replay_prepare_ref``, ``replay_step_ref``,
+``replay_commit_ref`` and ``replay_materialize_ref`` in ``replayserve.ops.replay_ssm``.
+
+Contract: ``docs/replayssm-contract.md``; algorithm: ``shared/docs/replayssm.md`` §3-§4.
+
+A step is two launches. ``_replay_scores_kernel``, one program per (group, row), appends the
+window's B to the ring and writes the fp32 products B_j . C_t for the row's history entries and
+window tokens into a small scratch (rows, G, T, lanes) that the group's heads share. Then
+``_replay_step_kernel``, one program per (P-block, head, row), loads its (BLOCK_P, N) checkpoint
+tile first, then the history, logical entries ``0..m-1`` (m <= W) at physical ``ring_start + j``
+(wrapped by one conditional subtraction), and the window, this step's ``n`` tokens, which it
+appends to the x/delta rings. The window is read out as stored (rounded to the ring dtypes), so
+outputs use exactly what later replays see. History reads and appends never share a physical
+slot (``m + n <= R``), so the programs of one row need no ordering.
+
+Every row, flush or not, is read out from S0 over history + window, which equals the contract's
+readout(S1, window) in exact arithmetic: the checkpoint is already in registers, and a non-flush
+row never writes it. A flush row then folds its history into the tile, token by token like the
+baseline update (fp32 throughout; no TF32 anywhere), and stores S1. Readouts use explicit fp32
+reductions: at decode sizes (T <= 4) 16-wide dot tiles would mostly multiply padding, and their
+operands would cost registers, which bound this kernel (loads in flight per SM).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from replayserve.ops.ssu_triton import process_dt
+
+
+@triton.jit
+def _fold(s, xr_row, dr_row, br_row, start, count, R, a, offs_p, offs_n, mask_p, mask_n,
+          s_xr_r, s_xr_p, s_dr_r, s_br_r, s_br_n, MAX: tl.constexpr):
+    """fold(S, entries 0..count-1 from physical ``start``) as the recurrence S = e^{A d} S + d x b^T.
+
+    s: (BLOCK_P, BLOCK_N) fp32; count <= MAX. Unrolled over MAX entries with masked loads (a
+    masked entry has d = 0: an exact no-op), so all ring reads are independent and issue at once.
+    Only flush rows and materializations run it.
+    """
+    for j in tl.static_range(MAX):
+        live = j < count
+        p = start + j
+        p = tl.where(p >= R, p - R, p)
+        d = tl.load(dr_row + p * s_dr_r, mask=live, other=0.0).to(tl.float32)
+        xj = tl.load(xr_row + p * s_xr_r + offs_p * s_xr_p, mask=mask_p & live, other=0.0).to(tl.float32)
+        bj = tl.load(br_row + p * s_br_r + offs_n * s_br_n, mask=mask_n & live, other=0.0).to(tl.float32)
+        s = s * tl.exp(a * d) + (d * xj)[:, None] * bj[None, :]
+    return s
+
+
+@triton.jit
+def _replay_scores_kernel(
+    br_ptr, rs_ptr, hist_ptr, slots_ptr, ntok_ptr, B_ptr, C_ptr, cb_ptr,
+    R, dstate, ngroups,
+    s_br_slot, s_br_g, s_br_r, s_br_n,
+    s_B_b, s_B_t, s_B_g, s_B_n,
+    s_C_b, s_C_t, s_C_g, s_C_n,
+    T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Per (group, row): cb[row, g, t, lane] = B . C_t in fp32, shared by the group's heads, over
+    BLOCK_W history lanes (logical entries 0..m-1, zero beyond) then BLOCK_T window lanes. Also
+    appends the window's B to the ring (rounded to its dtype)."""
+    g = tl.program_id(0)
+    row = tl.program_id(1)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    if slot < 0:
+        return
+    n = tl.load(ntok_ptr + row)
+    m = tl.load(hist_ptr + slot)
+    start = tl.load(rs_ptr + slot)
+    offs_n = tl.arange(0, BLOCK_N)
+    mln = (offs_n < dstate)[None, :]
+    br_row = br_ptr + slot * s_br_slot + g * s_br_g
+    jh = tl.arange(0, BLOCK_W)
+    ph = start + jh
+    ph = tl.where(ph >= R, ph - R, ph)
+    bh = tl.load(br_row + ph[:, None] * s_br_r + offs_n[None, :] * s_br_n, mask=(jh < m)[:, None] & mln,
+                 other=0.0).to(tl.float32)
+    jw = tl.arange(0, BLOCK_T)
+    win = jw < n
+    pw = start + m + jw
+    pw = tl.where(pw >= R, pw - R, pw)
+    bw = tl.load(B_ptr + row * s_B_b + g * s_B_g + jw[:, None] * s_B_t + offs_n[None, :] * s_B_n,
+                 mask=win[:, None] & mln, other=0.0).to(br_ptr.dtype.element_ty)
+    tl.store(br_row + pw[:, None] * s_br_r + offs_n[None, :] * s_br_n, bw, mask=win[:, None] & mln)
+    bw = bw.to(tl.float32)
+    cb_row = cb_ptr + (row * ngroups + g) * (T * (BLOCK_W + BLOCK_T))
+    for t in tl.static_range(T):
+        c = tl.load(C_ptr + row * s_C_b + t * s_C_t + g * s_C_g + offs_n * s_C_n, mask=(offs_n < dstate) & (t < n),
+                    other=0.0).to(tl.float32)
+        tl.store(cb_row + t * (BLOCK_W + BLOCK_T) + jh, tl.sum(bh * c[None, :], axis=1))
+        tl.store(cb_row + t * (BLOCK_W + BLOCK_T) + BLOCK_W + jw, tl.sum(bw * c[None, :], axis=1))
+
+
+@triton.jit
+def _replay_step_kernel(
+    state_ptr, xr_ptr, dr_ptr, br_ptr, rs_ptr, hist_ptr, flush_ptr, slots_ptr, ntok_ptr,
+    x_ptr, dt_ptr, A_ptr, C_ptr, cb_ptr, D_ptr, dt_bias_ptr, y_ptr,
+    dt_min, dt_max, R, dim, dstate, heads_per_group, ngroups,
+    s_st_slot, s_st_h, s_st_p, s_st_n,
+    s_xr_slot, s_xr_h, s_xr_r, s_xr_p,
+    s_dr_slot, s_dr_h, s_dr_r,
+    s_br_slot, s_br_g, s_br_r, s_br_n,
+    s_x_b, s_x_t, s_x_h, s_x_p,
+    s_dt_b, s_dt_t, s_dt_h,
+    s_C_b, s_C_t, s_C_g, s_C_n,
+    s_y_b, s_y_t, s_y_h, s_y_p,
+    T: tl.constexpr, HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    pid_p = tl.program_id(0)
+    h = tl.program_id(1)
+    row = tl.program_id(2)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_p = offs_p < dim
+    mask_n = offs_n < dstate
+    y_ptrs = y_ptr + row * s_y_b + h * s_y_h + offs_p * s_y_p
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    if slot < 0:  # padded row: touches nothing, outputs zeros
+        for t in tl.static_range(T):
+            tl.store(y_ptrs + t * s_y_t, tl.zeros([BLOCK_P], dtype=tl.float32).to(y_ptr.dtype.element_ty), mask=mask_p)
+        return
+    # The checkpoint tile is the only large read: issue it first, ahead of the cursor chain.
+    st_ptrs = state_ptr + slot * s_st_slot + h * s_st_h + offs_p[:, None] * s_st_p + offs_n[None, :] * s_st_n
+    mask_pn = mask_p[:, None] & mask_n[None, :]
+    s = tl.load(st_ptrs, mask=mask_pn, other=0.0).to(tl.float32)
+    n = tl.load(ntok_ptr + row)
+    m = tl.load(hist_ptr + slot)
+    start = tl.load(rs_ptr + slot)
+    g = h // heads_per_group
+    a = tl.load(A_ptr + h).to(tl.float32)
+    xr_row = xr_ptr + slot * s_xr_slot + h * s_xr_h
+    dr_row = dr_ptr + slot * s_dr_slot + h * s_dr_h
+    x_row = x_ptr + row * s_x_b + h * s_x_h
+    mlp = mask_p[None, :]
+
+    # History: logical entries 0..m-1 (m <= W) from the rings, in logical order.
+    jh = tl.arange(0, BLOCK_W)
+    hist = jh < m
+    ph = start + jh
+    ph = tl.where(ph >= R, ph - R, ph)
+    xh = tl.load(xr_row + ph[:, None] * s_xr_r + offs_p[None, :] * s_xr_p, mask=hist[:, None] & mlp,
+                 other=0.0).to(tl.float32)
+    dh = tl.load(dr_row + ph * s_dr_r, mask=hist, other=0.0).to(tl.float32)
+    g_m = tl.sum(dh, axis=0)  # Gamma over the whole history
+    to_end = g_m - tl.cumsum(dh, axis=0)  # Gamma after entry j, to the window start
+
+    # Window: this step's tokens i < n (logical entries m..m+n-1), rounded to the ring dtypes.
+    jw = tl.arange(0, BLOCK_T)
+    win = jw < n
+    bias = 0.0
+    if HAS_DT_BIAS:
+        bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    dw = process_dt(tl.load(dt_ptr + row * s_dt_b + h * s_dt_h + jw * s_dt_t, mask=win, other=0.0).to(tl.float32),
+                    bias, dt_min, dt_max, True)
+    dw = tl.where(win, dw, 0.0).to(dr_ptr.dtype.element_ty)
+    xw = tl.load(x_row + jw[:, None] * s_x_t + offs_p[None, :] * s_x_p, mask=win[:, None] & mlp,
+                 other=0.0).to(xr_ptr.dtype.element_ty)
+    gam_w = tl.cumsum(dw.to(tl.float32), axis=0)  # Gamma within the window, from its first entry
+
+    # Readout of token t (entry m + t) from S0 over history + window, for flush rows too: it
+    # equals readout(S1, window) in exact arithmetic, and S0 is already in registers.
+    d_skip = 0.0
+    if HAS_D:
+        d_skip = tl.load(D_ptr + h).to(tl.float32)
+    cb_row = cb_ptr + (row * ngroups + g) * (T * (BLOCK_W + BLOCK_T))
+    for t in tl.static_range(T):
+        c = tl.load(C_ptr + row * s_C_b + t * s_C_t + g * s_C_g + offs_n * s_C_n, mask=mask_n & (t < n),
+                    other=0.0).to(tl.float32)
+        g_t = tl.sum(tl.where(jw == t, gam_w, 0.0), axis=0)
+        wh = tl.where(hist, tl.exp(tl.where(hist, a * (to_end + g_t), float("-inf"))) * dh, 0.0)
+        wh = wh * tl.load(cb_row + t * (BLOCK_W + BLOCK_T) + jh)
+        used_w = win & (jw <= t)
+        ww = tl.where(used_w, tl.exp(tl.where(used_w, a * (g_t - gam_w), float("-inf"))) * dw.to(tl.float32), 0.0)
+        ww = ww * tl.load(cb_row + t * (BLOCK_W + BLOCK_T) + BLOCK_W + jw)
+        x_t = tl.load(x_row + t * s_x_t + offs_p * s_x_p, mask=mask_p & (t < n), other=0.0)
+        x_t = x_t.to(xr_ptr.dtype.element_ty).to(tl.float32)
+        y = (tl.exp(a * (g_m + g_t)) * tl.sum(s * c[None, :], axis=1) + tl.sum(xh * wh[:, None], axis=0)
+             + tl.sum(xw.to(tl.float32) * ww[:, None], axis=0) + d_skip * x_t)
+        y = tl.where(t < n, y, 0.0)
+        tl.store(y_ptrs + t * s_y_t, y.to(y_ptr.dtype.element_ty), mask=mask_p)
+
+    # Append the window's x (every P-block) and delta (P-block 0); the scores kernel appends B.
+    pw = start + m + jw
+    pw = tl.where(pw >= R, pw - R, pw)
+    tl.store(xr_row + pw[:, None] * s_xr_r + offs_p[None, :] * s_xr_p, xw, mask=win[:, None] & mlp)
+    tl.store(dr_row + pw * s_dr_r, dw, mask=win & (pid_p == 0))
+    if (tl.load(flush_ptr + slot) != 0) & (m > 0):  # flush: S1 = fold(S0, history) is the new checkpoint
+        s = _fold(s, xr_row, dr_row, br_ptr + slot * s_br_slot + g * s_br_g, start, m, R, a, offs_p, offs_n,
+                  mask_p, mask_n, s_xr_r, s_xr_p, s_dr_r, s_br_r, s_br_n, BLOCK_W)
+        tl.store(st_ptrs, s.to(state_ptr.dtype.element_ty), mask=mask_pn)
+
+
+@triton.jit
+def _replay_materialize_kernel(
+    state_ptr, xr_ptr, dr_ptr, br_ptr, A_ptr, src_ptr, dst_ptr, rs_ptr, nrep_ptr,
+    R, dim, dstate, heads_per_group,
+    s_st_slot, s_st_h, s_st_p, s_st_n,
+    s_xr_slot, s_xr_h, s_xr_r, s_xr_p,
+    s_dr_slot, s_dr_h, s_dr_r,
+    s_br_slot, s_br_g, s_br_r, s_br_n,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, MAX_ENTRIES: tl.constexpr,
+):
+    pid_p = tl.program_id(0)
+    h = tl.program_id(1)
+    row = tl.program_id(2)
+    src = tl.load(src_ptr + row).to(tl.int64)
+    dst = tl.load(dst_ptr + row).to(tl.int64)
+    if (src < 0) | (dst < 0):
+        return
+    nrep = tl.load(nrep_ptr + row)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_p = offs_p < dim
+    mask_n = offs_n < dstate
+    mask_pn = mask_p[:, None] & mask_n[None, :]
+    tile = offs_p[:, None] * s_st_p + offs_n[None, :] * s_st_n
+    s = tl.load(state_ptr + src * s_st_slot + h * s_st_h + tile, mask=mask_pn, other=0.0)
+    dst_ptrs = state_ptr + dst * s_st_slot + h * s_st_h + tile
+    if nrep > 0:
+        g = h // heads_per_group
+        s = _fold(s.to(tl.float32), xr_ptr + src * s_xr_slot + h * s_xr_h, dr_ptr + src * s_dr_slot + h * s_dr_h,
+                  br_ptr + src * s_br_slot + g * s_br_g, tl.load(rs_ptr + row), nrep, R,
+                  tl.load(A_ptr + h).to(tl.float32), offs_p, offs_n, mask_p, mask_n,
+                  s_xr_r, s_xr_p, s_dr_r, s_br_r, s_br_n, MAX_ENTRIES)
+        tl.store(dst_ptrs, s.to(state_ptr.dtype.element_ty), mask=mask_pn)
+    else:  # n == 0: the loaded tile, untouched, is an exact copy
+        tl.store(dst_ptrs, s, mask=mask_pn)
+
+
+@triton.jit
+def _replay_prepare_kernel(rs_ptr, hist_ptr, flush_ptr, slots_ptr, ntok_ptr, fresh_ptr, rows, window,
+                           BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    slot = tl.load(slots_ptr + offs, mask=offs < rows, other=-1)
+    real = slot >= 0
+    safe = tl.where(real, slot, 0)
+    fresh = tl.load(fresh_ptr + offs, mask=real, other=0) != 0
+    tl.store(rs_ptr + safe, tl.zeros_like(safe).to(tl.int32), mask=real & fresh)
+    tl.store(hist_ptr + safe, tl.zeros_like(safe).to(tl.int32), mask=real & fresh)
+    m = tl.where(fresh, 0, tl.load(hist_ptr + safe, mask=real, other=0))
+    n = tl.load(ntok_ptr + offs, mask=real, other=0)
+    tl.store(flush_ptr + safe, (m + n > window).to(tl.uint8), mask=real)
+
+
+@triton.jit
+def _replay_commit_kernel(rs_ptr, hist_ptr, flush_ptr, slots_ptr, nacc_ptr, rows, R, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    slot = tl.load(slots_ptr + offs, mask=offs < rows, other=-1)
+    acc = tl.load(nacc_ptr + offs, mask=offs < rows, other=0)
+    live = (slot >= 0) & (acc != 0)
+    safe = tl.where(live, slot, 0)
+    acc = tl.maximum(acc, 1)
+    m = tl.load(hist_ptr + safe, mask=live, other=0)
+    start = tl.load(rs_ptr + safe, mask=live, other=0)
+    flush = tl.load(flush_ptr + safe, mask=live, other=0) != 0
+    moved = start + m
+    moved = tl.where(moved >= R, moved - R, moved)
+    tl.store(rs_ptr + safe, moved, mask=live & flush)
+    tl.store(hist_ptr + safe, tl.where(flush, acc, m + acc), mask=live)
+
+
+def _step_config(dim: int, dstate: int, ring_len: int, tokens: int) -> tuple[int, int]:
+    """(BLOCK_P, num_warps) of the step and materialize kernels.
+
+    Measured on an H200 (P=64, N=128, W=16, T=1, batch 128): BLOCK_P=32 with 2 warps was the best
+    of BLOCK_P 8..64 x 2..8 warps; the step is bound by loads in flight per SM, not arithmetic.
+    Verify (T > 1) keeps more per-token values live, so it gets 4 warps.
+    """
+    return min(triton.next_power_of_2(dim), 32), 2 if tokens == 1 else 4
+
+
+def _lanes(count: int) -> int:
+    """Tile length for up to ``count`` entries or tokens (>= 2, so no axis has size one)."""
+    return max(2, triton.next_power_of_2(count))
+
+
+def _flag(t: Tensor) -> Tensor:
+    """A bool tensor as uint8 (same storage), so kernels read and write plain bytes."""
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
+def _check_rings(state: Tensor, x_ring: Tensor, dt_ring: Tensor, B_ring: Tensor) -> tuple[int, int, int, int, int]:
+    slots, nheads, dim, dstate = state.shape
+    ngroups, ring_len = B_ring.shape[1], B_ring.shape[2]
+    if x_ring.shape != (slots, nheads, ring_len, dim) or dt_ring.shape != (slots, nheads, ring_len):
+        raise ValueError(f"rings x {tuple(x_ring.shape)}, dt {tuple(dt_ring.shape)} do not match state "
+                         f"{tuple(state.shape)} and B ring {tuple(B_ring.shape)}")
+    if B_ring.shape != (slots, ngroups, ring_len, dstate) or nheads % ngroups != 0:
+        raise ValueError(f"B ring {tuple(B_ring.shape)} must be (S, G, R, N) with H={nheads} a multiple of G")
+    return nheads, dim, dstate, ngroups, ring_len
+
+
+def replay_prepare_triton(
+    ring_start: Tensor, history: Tensor, is_flush: Tensor, slots: Tensor, num_tokens: Tensor, fresh: Tensor,
+    window: int,
+) -> None:
+    """Before a step: reset fresh rows' cursors, then recompute ``is_flush = history + n > window``.
+
+    Arguments:
+        ring_start, history: (S,) int32 cursors, updated in place for fresh rows.
+        is_flush: (S,) bool, written for every real row.
+        slots: (rows,) int64, -1 = padded row (skipped).
+        num_tokens: (rows,) int32 tokens this step, in [1, T].
+        fresh: (rows,) bool, True where the row's slot starts from a canonical state.
+        window: W = R - T.
+    """
+    rows = slots.shape[0]
+    if rows == 0:
+        return
+    block = min(1024, triton.next_power_of_2(rows))
+    _replay_prepare_kernel[(triton.cdiv(rows, block),)](
+        ring_start, history, _flag(is_flush), slots, num_tokens, _flag(fresh), rows, window, BLOCK=block)
+
+
+def replay_commit_triton(
+    ring_start: Tensor, history: Tensor, is_flush: Tensor, slots: Tensor, num_accepted: Tensor, ring_len: int,
+) -> None:
+    """After sampling: ``a = max(num_accepted, 1)``; flush rows move the origin past the folded
+    history (``ring_start += history mod R``) and keep ``history = a``, others ``history += a``.
+
+    Arguments:
+        ring_start, history: (S,) int32, updated in place.
+        is_flush: (S,) bool, read only.
+        slots: (rows,) int64, -1 = padded row (skipped).
+        num_accepted: (rows,) int32; 0 = held a slot but ran nothing (skipped).
+        ring_len: R.
+    """
+    rows = slots.shape[0]
+    if rows == 0:
+        return
+    block = min(1024, triton.next_power_of_2(rows))
+    _replay_commit_kernel[(triton.cdiv(rows, block),)](
+        ring_start, history, _flag(is_flush), slots, num_accepted, rows, ring_len, BLOCK=block)
+
+
+def replay_step_triton(
+    state: Tensor, x_ring: Tensor, dt_ring: Tensor, B_ring: Tensor,
+    ring_start: Tensor, history: Tensor, is_flush: Tensor, slots: Tensor, num_tokens: Tensor,
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None, dt_bias: Tensor | None,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+) -> Tensor:
+    """One decode (T = 1) or verify (T > 1) step over checkpoint + rings; cursors are read only.
+
+    Arguments:
+        state: (S, H, P, N) checkpoints, state dtype; written only for flush rows with history > 0.
+        x_ring: (S, H, R, P) activation dtype; dt_ring: (S, H, R) processed delta, state dtype;
+            B_ring: (S, G, R, N) activation dtype. Entries m..m+n-1 of each real row are appended.
+        ring_start, history: (S,) int32; is_flush: (S,) bool (from the prepare).
+        slots: (rows,) int64, -1 = padded row; num_tokens: (rows,) int32 in [1, T].
+        x: (rows, T, H, P); dt: (rows, T, H) raw; B, C: (rows, T, G, N): padded to T per row.
+        A: (H,) fp32; D, dt_bias: (H,) or None; dt_limit: (min, max) clamp of the processed delta.
+        The window is read out as stored in the rings (rounded to their dtypes), like the reference.
+
+    Returns:
+        y: (rows, T, H, P) in x.dtype (fp32 math); zeros for padded rows and tokens >= n.
+    """
+    nheads, dim, dstate, ngroups, ring_len = _check_rings(state, x_ring, dt_ring, B_ring)
+    rows, tokens = x.shape[0], x.shape[1]
+    if x.shape != (rows, tokens, nheads, dim) or dt.shape != (rows, tokens, nheads):
+        raise ValueError(f"x {tuple(x.shape)} / dt {tuple(dt.shape)} must be (rows, T, {nheads}, {dim}) / "
+                         f"(rows, T, {nheads})")
+    if B.shape != (rows, tokens, ngroups, dstate) or C.shape != B.shape:
+        raise ValueError(f"B {tuple(B.shape)} and C {tuple(C.shape)} must be ({rows}, {tokens}, {ngroups}, {dstate})")
+    if not 1 <= tokens <= ring_len - tokens:
+        raise ValueError(f"T={tokens} must satisfy 1 <= T <= W = R - T with R={ring_len}")
+    y = torch.empty_like(x)
+    if rows == 0:
+        return y
+    block_w, block_t, block_n = _lanes(ring_len - tokens), _lanes(tokens), triton.next_power_of_2(dstate)
+    scores = torch.empty((rows, ngroups, tokens, block_w + block_t), dtype=torch.float32, device=x.device)
+    _replay_scores_kernel[(ngroups, rows)](
+        B_ring, ring_start, history, slots, num_tokens, B, C, scores,
+        ring_len, dstate, ngroups, *B_ring.stride(), *B.stride(), *C.stride(),
+        T=tokens, BLOCK_N=block_n, BLOCK_W=block_w, BLOCK_T=block_t,
+    )
+    block_p, num_warps = _step_config(dim, dstate, ring_len, tokens)
+    _replay_step_kernel[(triton.cdiv(dim, block_p), nheads, rows)](
+        state, x_ring, dt_ring, B_ring, ring_start, history, _flag(is_flush), slots, num_tokens,
+        x, dt, A, C, scores, D, dt_bias, y,
+        float(dt_limit[0]), float(dt_limit[1]), ring_len, dim, dstate, nheads // ngroups, ngroups,
+        *state.stride(), *x_ring.stride(), *dt_ring.stride(), *B_ring.stride(),
+        *x.stride(), *dt.stride(), *C.stride(), *y.stride(),
+        T=tokens, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
+        BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_W=block_w, BLOCK_T=block_t, num_warps=num_warps,
+    )
+    return y
+
+
+def replay_materialize_triton(
+    state: Tensor, x_ring: Tensor, dt_ring: Tensor, B_ring: Tensor, A: Tensor,
+    src: Tensor, dst: Tensor, ring_start: Tensor, n: Tensor,
+) -> None:
+    """``state[dst] = fold(state[src], entries 0..n-1 of src's ring from ring_start)`` per row.
+
+    Arguments:
+        state: (S, H, P, N); only rows ``dst`` are written. Rings as in ``replay_step_triton``,
+            read only.
+        A: (H,) fp32.
+        src, dst: (rows,) int64 slots; a row with a negative slot is skipped. Rows run in parallel:
+            dst slots must be distinct and no row's dst may be another row's src (src == dst within
+            one row is fine: each program reads its tile before writing it).
+        ring_start: (rows,) int32 physical index of src's logical entry 0.
+        n: (rows,) int32 entries to fold, 0 <= n <= history(src); n == 0 is an exact copy.
+    """
+    nheads, dim, dstate, ngroups, ring_len = _check_rings(state, x_ring, dt_ring, B_ring)
+    rows = src.shape[0]
+    if rows == 0:
+        return
+    block_p, num_warps = _step_config(dim, dstate, ring_len, 1)
+    grid = (triton.cdiv(dim, block_p), nheads, rows)
+    _replay_materialize_kernel[grid](
+        state, x_ring, dt_ring, B_ring, A, src, dst, ring_start, n,
+        ring_len, dim, dstate, nheads // ngroups,
+        *state.stride(), *x_ring.stride(), *dt_ring.stride(), *B_ring.stride(),
+        BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(dstate), MAX_ENTRIES=_lanes(ring_len - 1),
+        num_warps=num_warps,
+    )
