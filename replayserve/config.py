@@ -20,6 +20,7 @@ PATTERN_CHARS = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 SSM_BACKENDS = ("baseline", "replay")
+MAMBA_CACHE_MODES = ("none", "align", "all")
 # The Triton ReplaySSM step holds the ring in one tile of next_pow2(R) entries.
 MAX_REPLAY_WINDOW = 64
 
@@ -204,6 +205,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     ssm_backend: str = "baseline"
     replay_window: int = 16
+    enable_prefix_caching: bool = False
+    mamba_cache_mode: str = "none"
+    num_mamba_cache_slots: int | None = None  # boundary-state slots; default max_num_seqs
 
     def __post_init__(self) -> None:
         def fail(option: str, why: str) -> None:
@@ -226,12 +230,29 @@ class EngineConfig:
         for option in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, option) < 1:
                 fail(option, f"must be >= 1, got {getattr(self, option)}")
+        if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
+            fail("mamba_cache_mode", f"{self.mamba_cache_mode!r} is not one of {MAMBA_CACHE_MODES}")
+        if self.mamba_cache_mode != "none" and not self.enable_prefix_caching:
+            fail("mamba_cache_mode", f"{self.mamba_cache_mode!r} keeps Mamba states for prefix hits and needs "
+                 "enable_prefix_caching=True")
+        if self.num_mamba_cache_slots is not None and self.num_mamba_cache_slots < 1:
+            fail("num_mamba_cache_slots", f"must be >= 1, got {self.num_mamba_cache_slots}")
+        if self.mamba_cache_mode == "align" and self.max_num_batched_tokens < self.block_size:
+            fail("max_num_batched_tokens", f"{self.max_num_batched_tokens} is below block_size={self.block_size}: "
+                 "mamba_cache_mode='align' ends prefill chunks on block boundaries")
         if self.resolved_max_model_len < 2:
             fail("max_model_len", f"must be >= 2, got {self.resolved_max_model_len}")
         if self.resolved_num_kv_blocks < self.blocks_per_seq:
             fail("num_kv_blocks", f"{self.resolved_num_kv_blocks} blocks of {self.block_size} tokens cannot "
                  f"hold one sequence of max_model_len={self.resolved_max_model_len}; "
                  f"need at least {self.blocks_per_seq}")
+
+    @property
+    def resolved_num_mamba_cache_slots(self) -> int:
+        """Boundary-state slots beside the live ones: 0 unless Mamba states are cached."""
+        if self.mamba_cache_mode == "none":
+            return 0
+        return self.num_mamba_cache_slots or self.max_num_seqs
 
     @property
     def resolved_max_model_len(self) -> int:

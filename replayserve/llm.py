@@ -37,6 +37,11 @@ class LLM:
     dtype: "auto" (bfloat16 on CUDA, float32 on CPU) or one of float32/float64/bfloat16/float16.
     ssm_backend: "baseline" (state read and written every decode step) or "replay" (ReplaySSM:
     checkpoint + rings of the last `replay_window` tokens' inputs, state written on flush).
+    enable_prefix_caching: reuse the KV blocks and Mamba states of cached prompt prefixes.
+    mamba_cache_mode: which Mamba states are kept for prefix hits: "none" (none, so a hybrid
+    model never hits), "align" (where a step ends on a block boundary; prefill chunks end on
+    them) or "all" (at every block boundary); needs enable_prefix_caching.
+    num_mamba_cache_slots: state slots for cached boundary states (default max_num_seqs).
     """
 
     def __init__(
@@ -51,6 +56,9 @@ class LLM:
         num_kv_blocks: int | None = None,
         ssm_backend: str = "baseline",
         replay_window: int = 16,
+        enable_prefix_caching: bool = False,
+        mamba_cache_mode: str = "none",
+        num_mamba_cache_slots: int | None = None,
     ) -> None:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if dtype == "auto":
@@ -59,6 +67,8 @@ class LLM:
             model=ModelConfig.from_dir(model), dtype=dtype, device=device, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, block_size=block_size,
             num_kv_blocks=num_kv_blocks, ssm_backend=ssm_backend, replay_window=replay_window,
+            enable_prefix_caching=enable_prefix_caching, mamba_cache_mode=mamba_cache_mode,
+            num_mamba_cache_slots=num_mamba_cache_slots,
         )
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("engine option device: 'cuda' was asked for but torch sees no CUDA device")
@@ -79,13 +89,20 @@ class LLM:
             return list(ids)
         raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {prompt!r:.80}")
 
+    def get_metrics(self) -> dict[str, float]:
+        """Engine counters since start: prefix-cache queries and hits in tokens (overall, and per
+        group: attention and mamba), steps, generated tokens, preemptions."""
+        return self.engine.get_metrics()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
-        """One output per prompt, in order. Every prompt is validated before any is admitted."""
+        """One output per prompt, in order. Every prompt is validated before any is admitted.
+        Requests share cached prefixes only with requests of the same ``cache_salt``."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         params = params or SamplingParams()
@@ -95,7 +112,7 @@ class LLM:
         ids = [self._prompt_ids(p) for p in prompts]
         for prompt_ids, p in zip(ids, all_params, strict=True):
             self.engine.validate(prompt_ids, p)
-        requests = [self.engine.add_request(i, p) for i, p in zip(ids, all_params, strict=True)]
+        requests = [self.engine.add_request(i, p, cache_salt) for i, p in zip(ids, all_params, strict=True)]
         try:
             with tqdm(total=len(requests), disable=not use_tqdm or len(requests) < 2, desc="requests") as bar:
                 while self.engine.has_unfinished():

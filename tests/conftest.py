@@ -26,6 +26,10 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def assert_pools_full(llm) -> None:  # noqa: ANN001 - LLM, kept import-free for fixtures
     engine = llm.engine
-    assert engine.kv.pool.num_free == engine.kv.pool.size, "KV blocks leaked"
-    assert engine.slots.num_free == engine.slots.size, "Mamba state slots leaked"
+    cache = engine.cache
+    assert cache.kv.num_free == cache.kv.size, "KV blocks leaked"
+    assert cache.live.num_free == cache.live.size, "Mamba state slots leaked"
+    if cache.states is not None:
+        assert cache.states.num_free == cache.states.size, "Mamba boundary-state slots leaked"
+    cache.check()
     assert not engine.scheduler.has_unfinished()

@@ -1,4 +1,4 @@
-"""Fixed pools of KV blocks and Mamba state slots; pure bookkeeping, no tensors."""
+"""A fixed pool of integer ids (live Mamba state slots); pure bookkeeping, no tensors."""
 
 from __future__ import annotations
 
@@ -35,29 +35,3 @@ class IdPool:
                 raise ValueError(f"{self.name}: id {i} freed twice or never allocated")
             self._used.remove(i)
             self._free.append(i)
-
-
-class KVBlockManager:
-    """Maps each request to the KV blocks holding its positions."""
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.block_size = block_size
-        self.pool = IdPool(num_blocks, "KV blocks")
-        self.tables: dict[str, list[int]] = {}
-
-    def blocks_needed(self, request_id: str, num_tokens: int) -> int:
-        """Extra blocks the request needs to hold `num_tokens` positions."""
-        have = len(self.tables.get(request_id, ()))
-        return max(0, -(-num_tokens // self.block_size) - have)
-
-    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        return self.blocks_needed(request_id, num_tokens) <= self.pool.num_free
-
-    def allocate(self, request_id: str, num_tokens: int) -> list[int]:
-        """Grows the request's table to cover `num_tokens` positions; returns the whole table."""
-        table = self.tables.setdefault(request_id, [])
-        table.extend(self.pool.allocate(self.blocks_needed(request_id, num_tokens)))
-        return table
-
-    def free(self, request_id: str) -> None:
-        self.pool.free(self.tables.pop(request_id, []))

@@ -21,6 +21,8 @@ class StepContext:
     block_tables: (S, max_blocks) int64 KV block ids, padded with -1.
     state_slots: (S,) int64 Mamba state slot of each sequence.
     query_lens, state_slot_list: host copies, so prefill loops need no device sync.
+    prefill_captures: per prefill sequence, (offset, boundary slot) pairs: the state after the
+        chunk's first `offset` tokens is copied there (prefix caching); empty when caching is off.
     """
 
     positions: torch.Tensor
@@ -32,14 +34,15 @@ class StepContext:
     num_decodes: int
     query_lens: tuple[int, ...]
     state_slot_list: tuple[int, ...]
+    prefill_captures: tuple[tuple[tuple[int, int], ...], ...] = ()
 
-    def prefill_segments(self) -> list[tuple[int, int, int]]:
-        """(token start, token end, state slot) of each prefill sequence."""
+    def prefill_segments(self) -> list[tuple[int, int, int, tuple[tuple[int, int], ...]]]:
+        """(token start, token end, state slot, captures) of each prefill sequence."""
         out = []
         start = self.num_decodes
-        for qlen, slot in zip(
-            self.query_lens[self.num_decodes :], self.state_slot_list[self.num_decodes :], strict=True
-        ):
-            out.append((start, start + qlen, slot))
+        lens, slots = self.query_lens[self.num_decodes :], self.state_slot_list[self.num_decodes :]
+        captures = self.prefill_captures or ((),) * len(lens)
+        for qlen, slot, capture in zip(lens, slots, captures, strict=True):
+            out.append((start, start + qlen, slot, capture))
             start += qlen
         return out

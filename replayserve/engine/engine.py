@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import logging
 
 import torch
 
-from replayserve.cache.block_pool import IdPool, KVBlockManager
+from replayserve.cache.manager import CacheManager
 from replayserve.config import EngineConfig
 from replayserve.engine.request import Request, SamplingParams, Status
 from replayserve.engine.runner import Runner
@@ -14,18 +15,25 @@ from replayserve.engine.scheduler import Scheduler
 from replayserve.models.nemotron_h import NemotronHForCausalLM
 from replayserve.tokenizer import Tokenizer
 
+logger = logging.getLogger(__name__)
+
 
 class Engine:
     def __init__(self, config: EngineConfig, model: NemotronHForCausalLM, tokenizer: Tokenizer | None) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.kv = KVBlockManager(config.resolved_num_kv_blocks, config.block_size)
-        self.slots = IdPool(config.max_num_seqs, "Mamba state slots")
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.kv, self.slots)
+        self.cache = CacheManager(
+            config.resolved_num_kv_blocks, config.block_size, config.max_num_seqs,
+            config.resolved_num_mamba_cache_slots, config.enable_prefix_caching,
+            has_mamba=config.model.num_mamba_layers > 0,
+        )
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.cache,
+                                   config.mamba_cache_mode)
         self.runner = Runner(config, model)
         self._ids = itertools.count()
         self._generators: dict[str, torch.Generator] = {}
         self.num_generated_tokens = 0
+        self.num_steps = 0
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError for a request the engine cannot serve; touches no state."""
@@ -46,16 +54,26 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer; the model directory has no tokenizer.json")
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> Request:
+        """Queues a request; ``cache_salt`` keeps its prefix-cache entries apart from other salts'."""
         self.validate(prompt_token_ids, params)
         request_id = str(next(self._ids))
-        request = Request(request_id, list(prompt_token_ids), params, arrival=int(request_id))
+        request = Request(request_id, list(prompt_token_ids), params, arrival=int(request_id),
+                          extra_keys=() if cache_salt is None else (cache_salt,))
         if params.seed is not None and not params.greedy:
             gen = torch.Generator(device=self.runner.device)
             gen.manual_seed(params.seed)
             self._generators[request_id] = gen
         self.scheduler.add(request)
         return request
+
+    def get_metrics(self) -> dict[str, float]:
+        """Counters since start: prefix cache (tokens, per group and usable), steps, preemptions."""
+        return {**self.cache.metrics.as_dict(), "num_steps": self.num_steps,
+                "num_generated_tokens": self.num_generated_tokens,
+                "num_preemptions": self.scheduler.num_preemptions}
 
     def abort(self, request: Request) -> None:
         if request.status is not Status.FINISHED:
@@ -74,6 +92,11 @@ class Engine:
             plan, [r.params for r in sampling], [self._generators.get(r.request_id) for r in sampling]
         )
         self.scheduler.update(plan)
+        self.num_steps += 1
+        if self.config.enable_prefix_caching and logger.isEnabledFor(logging.DEBUG):
+            m = self.cache.metrics
+            logger.debug("step %d: %d seqs, %d tokens; prefix cache %d/%d tokens hit", self.num_steps,
+                         len(plan.seqs), plan.num_tokens, m.hits, m.queries)
         finished = []
         for request, result in zip(sampling, results, strict=True):
             request.output_token_ids.append(result.token)

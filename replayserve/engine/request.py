@@ -69,6 +69,10 @@ class Request:
     state_slot: int | None = None
     finish_reason: str | None = None
     text: str = ""
+    # Prefix-cache keys besides the tokens (e.g. a cache salt): requests share blocks only when equal.
+    extra_keys: tuple = ()
+    # mamba_cache_mode='align': where the next prefill chunk must stop (a branch point), if anywhere.
+    chunk_stop: int | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

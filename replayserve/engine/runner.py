@@ -11,6 +11,7 @@ from replayserve.engine.context import StepContext
 from replayserve.engine.request import SamplingParams
 from replayserve.engine.sampler import SampleResult, sample
 from replayserve.engine.scheduler import StepPlan
+from replayserve.layers.mamba2 import Mamba2Mixer
 from replayserve.models.nemotron_h import NemotronHForCausalLM
 from replayserve.ssm.backend import SSMBackend
 from replayserve.ssm.baseline import BaselineBackend
@@ -19,10 +20,12 @@ from replayserve.ssm.replay import ReplayBackend
 
 
 def make_ssm_backend(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> SSMBackend:
+    """Slots 0..max_num_seqs-1 are live; the prefix cache's boundary slots follow them."""
+    num_slots = config.max_num_seqs + config.resolved_num_mamba_cache_slots
     if config.ssm_backend == "replay":
-        layout = MambaLayout.from_config(config.model, config.max_num_seqs, dtype, window=config.replay_window)
+        layout = MambaLayout.from_config(config.model, num_slots, dtype, window=config.replay_window)
         return ReplayBackend(layout, device)
-    return BaselineBackend(MambaLayout.from_config(config.model, config.max_num_seqs, dtype), device)
+    return BaselineBackend(MambaLayout.from_config(config.model, num_slots, dtype), device)
 
 
 class Runner:
@@ -68,6 +71,8 @@ class Runner:
             num_decodes=sum(s.is_decode for s in plan.seqs),
             query_lens=tuple(len(s.token_ids) for s in plan.seqs),
             state_slot_list=tuple(s.state_slot for s in plan.seqs),
+            prefill_captures=tuple(tuple((w.position - s.start_pos, w.slot) for w in s.boundary_writes)
+                                   for s in plan.seqs if not s.is_decode),
         )
         return dev(ids), ctx
 
@@ -81,6 +86,9 @@ class Runner:
         """
         if plan.reset_slots:
             self.ssm.reset_slots(torch.tensor(plan.reset_slots, dtype=torch.int64, device=self.device))
+        if plan.state_copies:
+            src, dst = zip(*plan.state_copies, strict=True)
+            self.ssm.copy_slots(self._ids(src), self._ids(dst))
         input_ids, ctx = self.build_context(plan)
         decode_slots = ctx.state_slots[: ctx.num_decodes]
         tokens_per_row = torch.ones_like(decode_slots, dtype=torch.int32)  # no draft tokens yet
@@ -96,4 +104,25 @@ class Runner:
         if ctx.num_decodes:
             # After sampling, once for all Mamba layers: every decode row keeps its one token.
             self.ssm.end_step(decode_slots, tokens_per_row)
+            self._publish_decode_boundaries(plan)
         return results
+
+    def _ids(self, values: tuple[int, ...] | list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def _publish_decode_boundaries(self, plan: StepPlan) -> None:
+        """Canonical states of decode rows that reached a block boundary, into their boundary slots
+        (prefill rows captured theirs in the forward)."""
+        rows = [(s.state_slot, w.slot, s.start_pos + len(s.token_ids) - w.position)
+                for s in plan.seqs if s.is_decode for w in s.boundary_writes]
+        if not rows:
+            return
+        src, dst, lag = zip(*rows, strict=True)
+        if any(lag):
+            raise NotImplementedError("publishing a boundary inside a multi-token step")
+        self.ssm.publish(self._ids(src), self._ids(dst), self._ids(lag, torch.int32), self.mamba_A())
+
+    def mamba_A(self) -> list[torch.Tensor]:
+        """A (H,) of every Mamba layer, in layer order."""
+        mixers = sorted((m for m in self.model.modules() if isinstance(m, Mamba2Mixer)), key=lambda m: m.mamba_index)
+        return [m.params().A for m in mixers]

@@ -1,4 +1,5 @@
-"""Continuous batching with chunked prefill under a token budget, and preemption by recompute.
+"""Continuous batching with chunked prefill under a token budget, preemption by recompute, and
+prefix-cache admission.
 
 The scheduler decides which requests run and who owns which KV block and state slot; it never
 touches a tensor. Its output, a `StepPlan`, is plain data.
@@ -9,7 +10,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from replayserve.cache.block_pool import IdPool, KVBlockManager
+from replayserve.cache.manager import BoundaryWrite, CacheManager
+from replayserve.config import MAMBA_CACHE_MODES
 from replayserve.engine.request import Request, Status
 
 
@@ -24,13 +26,17 @@ class ScheduledSeq:
     state_slot: int
     is_decode: bool
     sample: bool  # the chunk ends at the request's last known token, so a new one is sampled
+    # Canonical Mamba states to write: the state after `position - start_pos` of this step's tokens.
+    boundary_writes: tuple[BoundaryWrite, ...] = ()
 
 
 @dataclass(frozen=True)
 class StepPlan:
     seqs: tuple[ScheduledSeq, ...]  # decodes first, then prefill chunks
-    reset_slots: tuple[int, ...]  # state slots handed to a new owner this step: zero them first
+    reset_slots: tuple[int, ...]  # live slots handed to a new owner with no cached state: zero them
     preempted: tuple[str, ...]
+    # (boundary slot, live slot) of prefix hits: copy the cached state in before the forward.
+    state_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -38,11 +44,14 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, kv: KVBlockManager, slots: IdPool) -> None:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, cache: CacheManager,
+                 mamba_cache_mode: str = "none") -> None:
+        if mamba_cache_mode not in MAMBA_CACHE_MODES:
+            raise ValueError(f"mamba_cache_mode {mamba_cache_mode!r} is not one of {MAMBA_CACHE_MODES}")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.kv = kv
-        self.slots = slots
+        self.cache = cache
+        self.mamba_cache_mode = mamba_cache_mode
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.unfinished: dict[str, Request] = {}
@@ -63,51 +72,79 @@ class Scheduler:
         for request in list(self.running):
             if request.status is not Status.RUNNING or budget == 0:
                 continue  # preempted as a victim earlier in this loop, or out of budget
-            n = 1 if request.decoding else min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._reserve(request, n, preempted):
+            start = request.num_computed_tokens
+            n = 1 if request.decoding else self._chunk(request, start, min(request.num_tokens - start, budget))
+            if n == 0 or not self._reserve(request, n, preempted):
                 continue
             budget -= n
             (decodes if request.decoding else prefills).append(self._scheduled(request, n))
         reset: list[int] = []
+        copies: list[tuple[int, int]] = []
         # Admitting after a preemption would only take back the blocks just freed.
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            n = min(request.num_tokens, budget)
-            if self.slots.num_free == 0 or not self.kv.can_allocate(request.request_id, n):
+            hit = self.cache.find_hit(request)
+            if self.mamba_cache_mode == "align" and hit.attention_tokens > hit.num_tokens:
+                # A branch point: stop a chunk where the cached KV ends, so a state exists there next time.
+                request.chunk_stop = hit.attention_tokens
+            n = self._chunk(request, hit.num_tokens, min(request.num_tokens - hit.num_tokens, budget))
+            if n == 0 or not self.cache.can_admit(hit, hit.num_tokens + n):
                 break
             self.waiting.popleft()
-            request.state_slot = self.slots.allocate()[0]
+            request.state_slot = self.cache.admit(request, hit, hit.num_tokens + n)
+            request.num_computed_tokens = hit.num_tokens
             request.status = Status.RUNNING
-            reset.append(request.state_slot)
+            if hit.state_slot is not None:
+                copies.append((hit.state_slot, request.state_slot))
+            else:
+                reset.append(request.state_slot)
             self.running.append(request)
-            self.kv.allocate(request.request_id, n)
             budget -= n
             prefills.append(self._scheduled(request, n))
-        return StepPlan(tuple(decodes + prefills), tuple(reset), tuple(preempted))
+        return StepPlan(tuple(decodes + prefills), tuple(reset), tuple(preempted), tuple(copies))
+
+    def _chunk(self, request: Request, start: int, n: int) -> int:
+        """Prefill tokens to run from ``start`` (at most n). In ``align`` mode a chunk ends on a
+        block boundary unless it finishes the known tokens, and stops at the last boundary before
+        the last token and at a branch point, so those states get kept (0: nothing fits)."""
+        if self.mamba_cache_mode != "align":
+            return n
+        bs, end = self.cache.block_size, start + n
+        last_boundary = (request.num_tokens - 1) // bs * bs
+        for stop in sorted(s for s in (request.chunk_stop, last_boundary) if s is not None):
+            if start < stop < end:
+                return stop - start
+        if end < request.num_tokens:
+            end = end // bs * bs
+        return max(0, end - start)
 
     def _reserve(self, request: Request, n: int, preempted: list[str]) -> bool:
         """Allocates blocks for n more tokens, preempting the newest running requests if needed."""
         total = request.num_computed_tokens + n
-        while not self.kv.can_allocate(request.request_id, total):
+        while not self.cache.can_grow(request.request_id, total):
             victim = self.running[-1]
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is request:
                 return False
-        self.kv.allocate(request.request_id, total)
+        self.cache.grow(request.request_id, total)
         return True
 
     def _scheduled(self, request: Request, n: int) -> ScheduledSeq:
         start = request.num_computed_tokens
         assert request.state_slot is not None
+        writes = ()
+        if self.mamba_cache_mode != "none":
+            writes = tuple(self.cache.plan_boundaries(request, start, n, every=self.mamba_cache_mode == "all"))
         return ScheduledSeq(
             request_id=request.request_id,
             token_ids=tuple(request.all_token_ids[start : start + n]),
             start_pos=start,
-            block_table=tuple(self.kv.tables[request.request_id]),
+            block_table=tuple(self.cache.table(request.request_id)),
             state_slot=request.state_slot,
             is_decode=request.decoding,
             sample=start + n == request.num_tokens,
+            boundary_writes=writes,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -116,23 +153,27 @@ class Scheduler:
         request.status = Status.WAITING
         request.num_computed_tokens = 0
         request.decoding = False
+        request.chunk_stop = None
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
     def _release(self, request: Request) -> None:
         self.running.remove(request)
-        self.kv.free(request.request_id)
-        if request.state_slot is not None:
-            self.slots.free([request.state_slot])
-            request.state_slot = None
+        self.cache.free(request)
+        request.state_slot = None
 
     def update(self, plan: StepPlan) -> None:
-        """Marks the planned tokens as computed; sampled tokens are appended by the engine."""
+        """After the step ran: marks the planned tokens as computed and publishes what they filled
+        (sampled tokens are appended by the engine)."""
         for seq in plan.seqs:
             request = self.unfinished[seq.request_id]
             request.num_computed_tokens += len(seq.token_ids)
+            if request.chunk_stop is not None and request.num_computed_tokens >= request.chunk_stop:
+                request.chunk_stop = None
             if seq.sample:
                 request.decoding = True
+            self.cache.publish(request, seq.boundary_writes)
+        self.cache.release_copy_sources([src for src, _ in plan.state_copies])
 
     def finish(self, request: Request, reason: str) -> None:
         if request.status is Status.RUNNING:

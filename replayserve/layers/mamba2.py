@@ -53,7 +53,7 @@ class Mamba2Mixer(nn.Module):
         nd = ctx.num_decodes
         if nd:
             y[:nd] = backend.decode(self.mamba_index, ctx.state_slots[:nd], xbc[:nd], dt[:nd], params)
-        for start, end, slot in ctx.prefill_segments():
-            y[start:end] = backend.prefill(self.mamba_index, slot, xbc[start:end], dt[start:end], params)
+        for start, end, slot, captures in ctx.prefill_segments():
+            y[start:end] = backend.prefill(self.mamba_index, slot, xbc[start:end], dt[start:end], params, captures)
         y = self.norm(y.reshape(hidden.shape[0], -1), z)
         return self.out_proj(y)

@@ -41,13 +41,26 @@ class SSMBackend(ABC):
         """Zeroes every layer's state of `slots` (int64, on the device): a fresh request."""
 
     def prefill(
-        self, layer: int, slot: int, xbc: torch.Tensor, dt: torch.Tensor, params: MambaParams
+        self, layer: int, slot: int, xbc: torch.Tensor, dt: torch.Tensor, params: MambaParams,
+        captures: tuple[tuple[int, int], ...] = (),
     ) -> torch.Tensor:
         """Runs one sequence's prefill chunk from the state in `slot` and stores the state after it.
 
         xbc: (L, conv_dim) pre-conv inputs; dt: (L, H) raw time steps. Returns y (L, H, P). The
         stored state is canonical: both backends continue decode from it with empty history.
+        captures: (offset, boundary slot) pairs, ascending: the state after the chunk's first
+        `offset` tokens (0 < offset <= L) is also copied into that slot (prefix caching).
         """
+        ys, done = [], 0
+        for offset, dst in (*captures, (xbc.shape[0], None)):
+            if offset > done:
+                ys.append(self._scan(layer, slot, xbc[done:offset], dt[done:offset], params))
+                done = offset
+            if dst is not None:
+                self.copy_canonical(layer, slot, dst)
+        return ys[0] if len(ys) == 1 else torch.cat(ys)
+
+    def _scan(self, layer: int, slot: int, xbc: torch.Tensor, dt: torch.Tensor, params: MambaParams) -> torch.Tensor:
         conv_state, ssm_state = self.conv_state[layer], self.ssm_state[layer]
         xbc, conv_state[slot] = causal_conv1d_ref(xbc, params.conv_weight, params.conv_bias, conv_state[slot])
         x, b, c = self.layout.split_xbc(xbc)
@@ -56,6 +69,23 @@ class SSMBackend(ABC):
             dt_limit=params.dt_limit, initial_state=ssm_state[slot],
         )
         return y
+
+    def copy_canonical(self, layer: int, src: int, dst: int) -> None:
+        """One layer's conv and SSM state of slot `src` into `dst` (src holds canonical state)."""
+        self.conv_state[layer][dst] = self.conv_state[layer][src]
+        self.ssm_state[layer][dst] = self.ssm_state[layer][src]
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's state of canonical slots `src` into live slots `dst` (int64 (B,), on the
+        device), which then continue from it as fresh slots: a prefix hit."""
+        for t in (*self.conv_state, *self.ssm_state):
+            t[dst] = t[src]
+
+    def publish(self, src: torch.Tensor, dst: torch.Tensor, lag: torch.Tensor, A: list[torch.Tensor]) -> None:
+        """After `end_step`: the canonical state of each decode row's live slot `src`, `lag` committed
+        tokens before its end, into boundary slot `dst` (int64 (B,), int32 (B,) on the device;
+        A: (H,) per Mamba layer). The baseline's live state is canonical after every step."""
+        self.copy_slots(src, dst)
 
     def begin_step(self, slots: torch.Tensor, num_tokens: torch.Tensor) -> None:
         """Before the forward: the decode rows' slots (B,) int64 and tokens per row (B,) int32."""

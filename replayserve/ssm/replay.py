@@ -22,8 +22,8 @@ def _kernels(device: torch.device):  # noqa: ANN202 - returns a module-like name
     if device.type == "cuda":
         from replayserve.ops import replay_ssm_triton as tk
 
-        return tk.replay_prepare_triton, tk.replay_step_triton, tk.replay_commit_triton
-    return ref.replay_prepare_ref, ref.replay_step_ref, ref.replay_commit_ref
+        return tk.replay_prepare_triton, tk.replay_step_triton, tk.replay_commit_triton, tk.replay_materialize_triton
+    return ref.replay_prepare_ref, ref.replay_step_ref, ref.replay_commit_ref, ref.replay_materialize_ref
 
 
 class ReplayBackend(SSMBackend):
@@ -31,7 +31,7 @@ class ReplayBackend(SSMBackend):
         if layout.window < layout.tokens_per_step:
             raise ValueError(f"replay_window={layout.window} must be >= tokens per step {layout.tokens_per_step}")
         self.layout = layout
-        self._prepare, self._step, self._commit = _kernels(device)
+        self._prepare, self._step, self._commit, self._materialize = _kernels(device)
 
         def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
             # Zero-initialised: padded and never-used slots must hold finite values.
@@ -53,6 +53,24 @@ class ReplayBackend(SSMBackend):
     def reset_slots(self, slots: torch.Tensor) -> None:
         for t in self.state_tensors():
             t.index_fill_(0, slots, 0)
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        super().copy_slots(src, dst)
+        for cursor in (self.ring_start, self.history, self.is_flush):  # the copy starts with empty history
+            cursor.index_fill_(0, dst, 0)
+
+    def publish(self, src: torch.Tensor, dst: torch.Tensor, lag: torch.Tensor, A: list[torch.Tensor]) -> None:
+        """Materializes: the checkpoint plus the first `history - lag` committed ring entries
+        (on the device, no sync); boundary slots are never live, so their cursors stay zero."""
+        if src.numel() == 0:
+            return
+        start = self.ring_start.index_select(0, src)
+        n = self.history.index_select(0, src) - lag
+        for layer in range(self.layout.num_layers):
+            self._materialize(self.ssm_state[layer], self.x_ring[layer], self.dt_ring[layer], self.b_ring[layer],
+                              A[layer], src, dst, start, n)
+            # The conv state is the last K - 1 inputs, so it is canonical only at the step's end.
+            self.conv_state[layer][dst] = self.conv_state[layer][src]
 
     def begin_step(self, slots: torch.Tensor, num_tokens: torch.Tensor) -> None:
         fresh = torch.zeros_like(slots, dtype=torch.bool)  # fresh slots were reset at admission

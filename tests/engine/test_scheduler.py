@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from replayserve.cache.block_pool import IdPool, KVBlockManager
+from replayserve.cache.manager import CacheManager
 from replayserve.engine.request import Request, SamplingParams
 from replayserve.engine.scheduler import Scheduler, StepPlan
 
 
 def _scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 8, max_seqs: int = 4) -> Scheduler:
-    return Scheduler(max_seqs, budget, KVBlockManager(num_blocks, block_size), IdPool(max_seqs, "slots"))
+    return Scheduler(max_seqs, budget, CacheManager(num_blocks, block_size, max_seqs))
 
 
 def _request(i: int, n: int) -> Request:
@@ -64,7 +64,8 @@ def test_preemption_frees_the_newest_and_readmits_with_its_outputs() -> None:
         preempted += plan.preempted
         _run(s, plan)
     assert preempted == ["1"]
-    assert s.kv.pool.num_free + sum(len(t) for t in s.kv.tables.values()) == 6
+    assert s.cache.kv.num_free + sum(len(o.table) for o in s.cache.owned.values()) == 6
+    s.cache.check()
     victim = s.unfinished["1"]
     assert victim.output_token_ids and victim.num_computed_tokens == 0 and victim in s.waiting
     s.finish(s.unfinished["0"], "length")
@@ -80,4 +81,5 @@ def test_finish_releases_blocks_and_slot() -> None:
     s.add(_request(0, 9))
     _run(s, s.schedule())
     s.finish(s.unfinished["0"], "stop")
-    assert s.kv.pool.num_free == 64 and s.slots.num_free == 4 and not s.has_unfinished()
+    assert s.cache.kv.num_free == 64 and s.cache.live.num_free == 4 and not s.has_unfinished()
+    s.cache.check()

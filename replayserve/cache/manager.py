@@ -1,0 +1,235 @@
+"""Who owns which KV block and Mamba state slot, and which prefixes are cached: plain data, no tensors.
+
+Two cache groups share one block size. Attention KV lives in blocks of ``block_size`` tokens, a
+request's block table maps its positions to them, and a full block may be published under the
+chained hash of its tokens. Mamba state lives in slots: every running request has one private live
+slot, and, when Mamba states are cached, a separate pool of boundary slots holds canonical states
+at block boundaries, keyed by the hash of the block that ends there (it fingerprints the prefix).
+
+A prefix hit of ``p`` tokens needs every KV block of ``[0, p)`` and a boundary state at ``p``
+(design: ``shared/docs/prefix-cache.md`` §2); it never covers a request's last known token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from replayserve.cache.block_pool import IdPool
+from replayserve.cache.hashing import BlockHash, BlockKey, block_keys
+from replayserve.cache.prefix_pool import PrefixBlockPool
+from replayserve.engine.request import Request
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """What a lookup found for a request's known tokens; reported in tokens."""
+
+    num_tokens: int  # usable: KV blocks of [0, num_tokens) and, for Mamba models, the state at num_tokens
+    kv_blocks: tuple[int, ...] = ()
+    state_slot: int | None = None  # boundary slot to copy into the live slot
+    attention_tokens: int = 0  # deepest run of cached KV blocks (capped like num_tokens)
+    mamba_tokens: int = 0  # deepest boundary with a cached state (capped like num_tokens)
+
+
+NO_HIT = PrefixHit(0)
+
+
+@dataclass(frozen=True)
+class BoundaryWrite:
+    """A canonical Mamba state to write into ``slot`` once the step has computed ``position``."""
+
+    position: int
+    slot: int
+    block_hash: BlockHash
+    key: BlockKey
+
+
+@dataclass
+class CacheMetrics:
+    """Prefix-cache counters in tokens, per group and for the usable (hybrid) hit."""
+
+    queries: int = 0
+    hits: int = 0
+    attention_hits: int = 0
+    mamba_hits: int = 0
+    published_blocks: int = 0
+    published_states: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        rate = self.hits / self.queries if self.queries else 0.0
+        return {"prefix_cache_queries": self.queries, "prefix_cache_hits": self.hits,
+                "prefix_cache_hit_rate": rate, "prefix_cache_attention_hits": self.attention_hits,
+                "prefix_cache_mamba_hits": self.mamba_hits, "prefix_cache_published_blocks": self.published_blocks,
+                "prefix_cache_published_states": self.published_states}
+
+
+@dataclass
+class _Owned:
+    """One request's holdings: its block table, the hashes of its full blocks, and how many
+    leading blocks are known to be published (hit blocks count)."""
+
+    table: list[int] = field(default_factory=list)
+    keys: list[BlockKey] = field(default_factory=list)
+    hashes: list[BlockHash] = field(default_factory=list)
+    published: int = 0
+
+
+class CacheManager:
+    """The hybrid coordinator: both groups' pools, per-request tables, lookups and publishing."""
+
+    def __init__(self, num_kv_blocks: int, block_size: int, num_live_slots: int, num_state_slots: int = 0,
+                 enable_caching: bool = False, has_mamba: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.has_mamba = has_mamba
+        self.kv = PrefixBlockPool(num_kv_blocks, "KV blocks")
+        self.live = IdPool(num_live_slots, "Mamba state slots")
+        # Boundary slots are numbered after the live ones: both index the same state tensors.
+        self.states = (PrefixBlockPool(num_state_slots, "Mamba boundary states", id_offset=num_live_slots)
+                       if enable_caching and has_mamba and num_state_slots else None)
+        self.owned: dict[str, _Owned] = {}
+        self.metrics = CacheMetrics()
+
+    # -- hashing -------------------------------------------------------------------------------
+    def _hashed(self, request: Request, owned: _Owned | None = None) -> tuple[list[BlockKey], list[BlockHash]]:
+        """Keys and hashes of the request's full blocks, extended incrementally as it grows."""
+        tokens = request.all_token_ids
+        if owned is None:
+            return block_keys(tokens, self.block_size, request.extra_keys)
+        if len(owned.hashes) < len(tokens) // self.block_size:
+            owned.keys, owned.hashes = block_keys(tokens, self.block_size, request.extra_keys, owned.hashes)
+        return owned.keys, owned.hashes
+
+    # -- lookup --------------------------------------------------------------------------------
+    def find_hit(self, request: Request) -> PrefixHit:
+        """The longest usable prefix of the request's known tokens; takes no references."""
+        if not self.enable_caching:
+            return NO_HIT
+        cap = (request.num_tokens - 1) // self.block_size
+        keys, hashes = self._hashed(request)
+        blocks: list[int] = []
+        for key, h in zip(keys[:cap], hashes[:cap], strict=True):
+            block = self.kv.lookup(h, key)
+            if block is None:
+                break
+            blocks.append(block)
+        bs = self.block_size
+        if not self.has_mamba:
+            return PrefixHit(len(blocks) * bs, tuple(blocks), None, len(blocks) * bs, 0)
+        usable, slot, deepest_state = 0, None, 0
+        if self.states is not None:
+            for k in range(cap, 0, -1):
+                found = self.states.lookup(hashes[k - 1], keys[k - 1])
+                if found is None:
+                    continue
+                deepest_state = max(deepest_state, k)
+                if k <= len(blocks):
+                    usable, slot = k, found
+                    break
+        return PrefixHit(usable * bs, tuple(blocks[:usable]), slot, len(blocks) * bs, deepest_state * bs)
+
+    # -- admission and growth ------------------------------------------------------------------
+    def _new_blocks(self, owned_blocks: int, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.block_size) - owned_blocks)
+
+    def can_admit(self, hit: PrefixHit, num_tokens: int) -> bool:
+        """A live slot is free and the pool can hold ``num_tokens`` positions on top of the hit."""
+        revived = sum(self.kv.ref_count(b) == 0 for b in hit.kv_blocks)  # free cached blocks leave the queue
+        need = self._new_blocks(len(hit.kv_blocks), num_tokens) + revived
+        return self.live.num_free > 0 and need <= self.kv.num_free
+
+    def admit(self, request: Request, hit: PrefixHit, num_tokens: int) -> int:
+        """Takes the hit's blocks (and its state slot, until ``release_copy_sources``), grows the
+        table to ``num_tokens`` positions and returns the request's new live slot."""
+        owned = _Owned(published=len(hit.kv_blocks))
+        self.kv.acquire(hit.kv_blocks)
+        owned.table = list(hit.kv_blocks)
+        owned.table += self.kv.allocate(self._new_blocks(len(owned.table), num_tokens))
+        if hit.state_slot is not None:
+            assert self.states is not None
+            self.states.acquire([hit.state_slot])
+        self.owned[request.request_id] = owned
+        if self.enable_caching:
+            self._hashed(request, owned)
+            self.metrics.queries += request.num_tokens
+            self.metrics.hits += hit.num_tokens
+            self.metrics.attention_hits += hit.attention_tokens
+            self.metrics.mamba_hits += hit.mamba_tokens
+        return self.live.allocate()[0]
+
+    def release_copy_sources(self, slots: list[int]) -> None:
+        """Drops the references ``admit`` took on hit states, once they are copied."""
+        if slots:
+            assert self.states is not None
+            self.states.release(slots)
+
+    def can_grow(self, request_id: str, num_tokens: int) -> bool:
+        return self._new_blocks(len(self.owned[request_id].table), num_tokens) <= self.kv.num_free
+
+    def grow(self, request_id: str, num_tokens: int) -> None:
+        owned = self.owned[request_id]
+        owned.table += self.kv.allocate(self._new_blocks(len(owned.table), num_tokens))
+
+    def table(self, request_id: str) -> list[int]:
+        return self.owned[request_id].table
+
+    def free(self, request: Request) -> None:
+        """Returns the request's blocks (tail first, so its tail is evicted first) and live slot.
+        Published blocks stay findable until evicted."""
+        owned = self.owned.pop(request.request_id)
+        self.kv.release(owned.table[::-1])
+        if request.state_slot is not None:
+            self.live.free([request.state_slot])
+
+    # -- publishing ----------------------------------------------------------------------------
+    def plan_boundaries(self, request: Request, start: int, num_tokens: int, every: bool) -> list[BoundaryWrite]:
+        """Boundary states this step will produce for the request's tokens ``[start, start + n)``:
+        every block boundary crossed (``every``, mode ``all``) or only one the step ends on
+        (``align``). Boundaries already cached are skipped; so are those no free slot can take."""
+        if self.states is None:
+            return []
+        bs, end = self.block_size, start + num_tokens
+        first = start // bs + 1 if every else end // bs
+        keys, hashes = self._hashed(request, self.owned[request.request_id])
+        writes = []
+        for k in range(first, end // bs + 1):
+            if k * bs <= start or (not every and k * bs != end):
+                continue
+            if self.states.lookup(hashes[k - 1], keys[k - 1]) is not None or self.states.num_free == 0:
+                continue
+            slot = self.states.allocate()[0]
+            writes.append(BoundaryWrite(k * bs, slot, hashes[k - 1], keys[k - 1]))
+        return writes
+
+    def publish(self, request: Request, writes: tuple[BoundaryWrite, ...]) -> None:
+        """After a step: publish the request's newly full KV blocks and its boundary states, which
+        the runner has written by now; a state some other request published first is dropped."""
+        if self.enable_caching:
+            owned = self.owned[request.request_id]
+            keys, hashes = self._hashed(request, owned)
+            full = min(request.num_computed_tokens // self.block_size, len(hashes))
+            for i in range(owned.published, full):
+                self.metrics.published_blocks += self.kv.publish(owned.table[i], hashes[i], keys[i])
+            owned.published = max(owned.published, full)
+        self.drop_writes(writes, publish=True)
+
+    def drop_writes(self, writes: tuple[BoundaryWrite, ...], publish: bool = False) -> None:
+        """Publishes (or just frees) the slots of planned boundary writes."""
+        for w in writes:
+            assert self.states is not None
+            if publish:
+                self.metrics.published_states += self.states.publish(w.slot, w.block_hash, w.key)
+            self.states.release([w.slot])
+
+    def check(self) -> None:
+        """Raises AssertionError unless the pools agree with the requests' holdings."""
+        self.kv.check()
+        counts: dict[int, int] = {}
+        for owned in self.owned.values():
+            for b in owned.table:
+                counts[b] = counts.get(b, 0) + 1
+        for b in range(self.kv.size):
+            if self.kv.ref_count(b) != counts.get(b, 0):
+                raise AssertionError(f"KV block {b}: count {self.kv.ref_count(b)}, held {counts.get(b, 0)} times")
+        if self.states is not None:
+            self.states.check()
