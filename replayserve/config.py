@@ -208,6 +208,8 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     mamba_cache_mode: str = "none"
     num_mamba_cache_slots: int | None = None  # boundary-state slots; default max_num_seqs
+    # Grid of cached Mamba states, a multiple of block_size; default lcm(block_size, chunk_size).
+    mamba_block_size: int | None = None
 
     def __post_init__(self) -> None:
         def fail(option: str, why: str) -> None:
@@ -237,9 +239,13 @@ class EngineConfig:
                  "enable_prefix_caching=True")
         if self.num_mamba_cache_slots is not None and self.num_mamba_cache_slots < 1:
             fail("num_mamba_cache_slots", f"must be >= 1, got {self.num_mamba_cache_slots}")
-        if self.mamba_cache_mode == "align" and self.max_num_batched_tokens < self.block_size:
-            fail("max_num_batched_tokens", f"{self.max_num_batched_tokens} is below block_size={self.block_size}: "
-                 "mamba_cache_mode='align' ends prefill chunks on block boundaries")
+        if self.mamba_block_size is not None and (self.mamba_block_size < 1
+                                                  or self.mamba_block_size % self.block_size):
+            fail("mamba_block_size", f"{self.mamba_block_size} must be a positive multiple of "
+                 f"block_size={self.block_size}")
+        if self.mamba_cache_mode == "align" and self.max_num_batched_tokens < self.resolved_mamba_block_size:
+            fail("max_num_batched_tokens", f"{self.max_num_batched_tokens} is below mamba_block_size="
+                 f"{self.resolved_mamba_block_size}: mamba_cache_mode='align' ends prefill chunks on its boundaries")
         if self.resolved_max_model_len < 2:
             fail("max_model_len", f"must be >= 2, got {self.resolved_max_model_len}")
         if self.resolved_num_kv_blocks < self.blocks_per_seq:
@@ -253,6 +259,11 @@ class EngineConfig:
         if self.mamba_cache_mode == "none":
             return 0
         return self.num_mamba_cache_slots or self.max_num_seqs
+
+    @property
+    def resolved_mamba_block_size(self) -> int:
+        """Tokens between cached Mamba states: on the SSD chunk grid, so prefill emits them for free."""
+        return self.mamba_block_size or math.lcm(self.block_size, self.model.chunk_size)
 
     @property
     def resolved_max_model_len(self) -> int:

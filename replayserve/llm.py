@@ -42,6 +42,8 @@ class LLM:
     model never hits), "align" (where a step ends on a block boundary; prefill chunks end on
     them) or "all" (at every block boundary); needs enable_prefix_caching.
     num_mamba_cache_slots: state slots for cached boundary states (default max_num_seqs).
+    mamba_block_size: tokens between cached Mamba states, a multiple of block_size (default
+    lcm(block_size, the model's SSD chunk size)); prefix hits are multiples of it.
     """
 
     def __init__(
@@ -59,6 +61,7 @@ class LLM:
         enable_prefix_caching: bool = False,
         mamba_cache_mode: str = "none",
         num_mamba_cache_slots: int | None = None,
+        mamba_block_size: int | None = None,
     ) -> None:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if dtype == "auto":
@@ -68,7 +71,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, block_size=block_size,
             num_kv_blocks=num_kv_blocks, ssm_backend=ssm_backend, replay_window=replay_window,
             enable_prefix_caching=enable_prefix_caching, mamba_cache_mode=mamba_cache_mode,
-            num_mamba_cache_slots=num_mamba_cache_slots,
+            num_mamba_cache_slots=num_mamba_cache_slots, mamba_block_size=mamba_block_size,
         )
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("engine option device: 'cuda' was asked for but torch sees no CUDA device")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -81,12 +82,15 @@ def init_random_weights(model: NemotronHForCausalLM, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) * std)
 
 
-def make_tiny(out_dir: str | Path, seed: int = 0, layers: str = "M*-ME") -> Path:
-    """Writes config.json, model.safetensors and tokenizer.json to `out_dir`."""
+def make_tiny(out_dir: str | Path, seed: int = 0, layers: str = "M*-ME", **sizes: int) -> Path:
+    """Writes config.json, model.safetensors and tokenizer.json to `out_dir`.
+
+    sizes: ModelConfig fields to override (e.g. hidden_size=1024 for a benchmark-sized model).
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
-    cfg = tiny_config(layers, vocab_size=tokenizer.get_vocab_size())
+    cfg = dataclasses.replace(tiny_config(layers, vocab_size=tokenizer.get_vocab_size()), **sizes)
     model = NemotronHForCausalLM(cfg)
     init_random_weights(model, seed)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}

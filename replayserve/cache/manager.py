@@ -1,10 +1,11 @@
 """Who owns which KV block and Mamba state slot, and which prefixes are cached: plain data, no tensors.
 
-Two cache groups share one block size. Attention KV lives in blocks of ``block_size`` tokens, a
-request's block table maps its positions to them, and a full block may be published under the
-chained hash of its tokens. Mamba state lives in slots: every running request has one private live
-slot, and, when Mamba states are cached, a separate pool of boundary slots holds canonical states
-at block boundaries, keyed by the hash of the block that ends there (it fingerprints the prefix).
+Attention KV lives in blocks of ``block_size`` tokens, a request's block table maps its positions
+to them, and a full block may be published under the chained hash of its tokens. Mamba state
+lives in slots: every running request has one private live slot, and, when Mamba states are
+cached, a separate pool of boundary slots holds canonical states on a coarser grid of
+``state_block`` tokens (a multiple of ``block_size``), keyed by the hash of the attention block
+that ends there (it fingerprints the whole prefix).
 
 A prefix hit of ``p`` tokens needs every KV block of ``[0, p)`` and a boundary state at ``p``
 (design: ``shared/docs/prefix-cache.md`` §2); it never covers a request's last known token.
@@ -78,8 +79,11 @@ class CacheManager:
     """The hybrid coordinator: both groups' pools, per-request tables, lookups and publishing."""
 
     def __init__(self, num_kv_blocks: int, block_size: int, num_live_slots: int, num_state_slots: int = 0,
-                 enable_caching: bool = False, has_mamba: bool = True) -> None:
+                 enable_caching: bool = False, has_mamba: bool = True, state_block: int | None = None) -> None:
         self.block_size = block_size
+        self.state_block = state_block or block_size
+        if self.state_block % block_size:
+            raise ValueError(f"state_block={self.state_block} must be a multiple of block_size={block_size}")
         self.enable_caching = enable_caching
         self.has_mamba = has_mamba
         self.kv = PrefixBlockPool(num_kv_blocks, "KV blocks")
@@ -118,7 +122,8 @@ class CacheManager:
             return PrefixHit(len(blocks) * bs, tuple(blocks), None, len(blocks) * bs, 0)
         usable, slot, deepest_state = 0, None, 0
         if self.states is not None:
-            for k in range(cap, 0, -1):
+            every = self.state_block // bs  # blocks per grid step
+            for k in range(cap // every * every, 0, -every):
                 found = self.states.lookup(hashes[k - 1], keys[k - 1])
                 if found is None:
                     continue
@@ -184,21 +189,21 @@ class CacheManager:
     # -- publishing ----------------------------------------------------------------------------
     def plan_boundaries(self, request: Request, start: int, num_tokens: int, every: bool) -> list[BoundaryWrite]:
         """Boundary states this step will produce for the request's tokens ``[start, start + n)``:
-        every block boundary crossed (``every``, mode ``all``) or only one the step ends on
+        every grid boundary crossed (``every``, mode ``all``) or only one the step ends on
         (``align``). Boundaries already cached are skipped; so are those no free slot can take."""
         if self.states is None:
             return []
-        bs, end = self.block_size, start + num_tokens
-        first = start // bs + 1 if every else end // bs
+        grid, end = self.state_block, start + num_tokens
         keys, hashes = self._hashed(request, self.owned[request.request_id])
         writes = []
-        for k in range(first, end // bs + 1):
-            if k * bs <= start or (not every and k * bs != end):
+        for b in range((start // grid + 1) * grid if every else end // grid * grid, end + 1, grid):
+            if b <= start or (not every and b != end):
                 continue
+            k = b // self.block_size  # the attention block ending at b keys the state
             if self.states.lookup(hashes[k - 1], keys[k - 1]) is not None or self.states.num_free == 0:
                 continue
             slot = self.states.allocate()[0]
-            writes.append(BoundaryWrite(k * bs, slot, hashes[k - 1], keys[k - 1]))
+            writes.append(BoundaryWrite(b, slot, hashes[k - 1], keys[k - 1]))
         return writes
 
     def publish(self, request: Request, writes: tuple[BoundaryWrite, ...]) -> None:

@@ -86,7 +86,8 @@ class Scheduler:
             hit = self.cache.find_hit(request)
             if self.mamba_cache_mode == "align" and hit.attention_tokens > hit.num_tokens:
                 # A branch point: stop a chunk where the cached KV ends, so a state exists there next time.
-                request.chunk_stop = hit.attention_tokens
+                grid = self.cache.state_block
+                request.chunk_stop = hit.attention_tokens // grid * grid or None
             n = self._chunk(request, hit.num_tokens, min(request.num_tokens - hit.num_tokens, budget))
             if n == 0 or not self.cache.can_admit(hit, hit.num_tokens + n):
                 break
@@ -105,11 +106,11 @@ class Scheduler:
 
     def _chunk(self, request: Request, start: int, n: int) -> int:
         """Prefill tokens to run from ``start`` (at most n). In ``align`` mode a chunk ends on a
-        block boundary unless it finishes the known tokens, and stops at the last boundary before
-        the last token and at a branch point, so those states get kept (0: nothing fits)."""
+        Mamba grid boundary unless it finishes the known tokens, and stops at the last boundary
+        before the last token and at a branch point, so those states get kept (0: nothing fits)."""
         if self.mamba_cache_mode != "align":
             return n
-        bs, end = self.cache.block_size, start + n
+        bs, end = self.cache.state_block, start + n
         last_boundary = (request.num_tokens - 1) // bs * bs
         for stop in sorted(s for s in (request.chunk_stop, last_boundary) if s is not None):
             if start < stop < end:

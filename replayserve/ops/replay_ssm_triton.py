@@ -6,19 +6,21 @@ Contract: ``docs/replayssm-contract.md``; algorithm: ``shared/docs/replayssm.md`
 A step is two launches. ``_replay_scores_kernel``, one program per (group, row), appends the
 window's B to the ring and writes the fp32 products B_j . C_t for the row's history entries and
 window tokens into a small scratch (rows, G, T, lanes) that the group's heads share. Then
-``_replay_step_kernel``, one program per (P-block, head, row), loads its (BLOCK_P, N) checkpoint
-tile first, then the history, logical entries ``0..m-1`` (m <= W) at physical ``ring_start + j``
-(wrapped by one conditional subtraction), and the window, this step's ``n`` tokens, which it
-appends to the x/delta rings. The window is read out as stored (rounded to the ring dtypes), so
-outputs use exactly what later replays see. History reads and appends never share a physical
-slot (``m + n <= R``), so the programs of one row need no ordering.
+``_replay_step_kernel``, one program per (P-block, head, row), reads its (BLOCK_P, N) checkpoint
+tile, the history, logical entries ``0..m-1`` (m <= W) at physical ``ring_start + j`` (wrapped
+by one conditional subtraction), and the window, this step's ``n`` tokens, which it appends to
+the x/delta rings. The window is read out as stored (rounded to the ring dtypes), so outputs use
+exactly what later replays see. History reads and appends never share a physical slot
+(``m + n <= R``), so the programs of one row need no ordering.
 
 Every row, flush or not, is read out from S0 over history + window, which equals the contract's
-readout(S1, window) in exact arithmetic: the checkpoint is already in registers, and a non-flush
-row never writes it. A flush row then folds its history into the tile, token by token like the
-baseline update (fp32 throughout; no TF32 anywhere), and stores S1. Readouts use explicit fp32
-reductions: at decode sizes (T <= 4) 16-wide dot tiles would mostly multiply padding, and their
-operands would cost registers, which bound this kernel (loads in flight per SM).
+readout(S1, window) in exact arithmetic. The tile is reduced against each token's C right after
+the ring loads are issued, so its loads overlap the cursor -> ring chain and its registers are
+free afterwards. A flush row then folds its history token by token like the baseline update
+(fp32 throughout; no TF32 anywhere), in pieces of the tile reloaded from cache, in a loop that
+prefetches the next entry: the kernel's register count is that of its common path, since
+registers (loads in flight per SM) bound it. Readouts use explicit fp32 reductions: at decode
+sizes (T <= 4) 16-wide dot tiles would mostly multiply padding.
 """
 
 from __future__ import annotations
@@ -35,21 +37,26 @@ from replayserve.ops.ssu_triton import process_dt
 
 @triton.jit
 def _fold(s, xr_row, dr_row, br_row, start, count, R, a, offs_p, offs_n, mask_p, mask_n,
-          s_xr_r, s_xr_p, s_dr_r, s_br_r, s_br_n, MAX: tl.constexpr):
+          s_xr_r, s_xr_p, s_dr_r, s_br_r, s_br_n):
     """fold(S, entries 0..count-1 from physical ``start``) as the recurrence S = e^{A d} S + d x b^T.
 
-    s: (BLOCK_P, BLOCK_N) fp32; count <= MAX. Unrolled over MAX entries with masked loads (a
-    masked entry has d = 0: an exact no-op), so all ring reads are independent and issue at once.
-    Only flush rows and materializations run it.
+    s: (BLOCK_P, BLOCK_N) fp32. A loop, not unrolled: the step kernel's registers are sized by its
+    largest path, and an unrolled fold (all entries' loads in flight) would raise them for every
+    row to speed up the few that flush. Each iteration loads the next entry before it folds this
+    one, so the loads (L1/L2 hits: just read or written) overlap the arithmetic.
     """
-    for j in tl.static_range(MAX):
-        live = j < count
-        p = start + j
-        p = tl.where(p >= R, p - R, p)
-        d = tl.load(dr_row + p * s_dr_r, mask=live, other=0.0).to(tl.float32)
-        xj = tl.load(xr_row + p * s_xr_r + offs_p * s_xr_p, mask=mask_p & live, other=0.0).to(tl.float32)
-        bj = tl.load(br_row + p * s_br_r + offs_n * s_br_n, mask=mask_n & live, other=0.0).to(tl.float32)
+    p = start
+    d = tl.load(dr_row + p * s_dr_r, mask=count > 0, other=0.0).to(tl.float32)
+    xj = tl.load(xr_row + p * s_xr_r + offs_p * s_xr_p, mask=mask_p & (count > 0), other=0.0).to(tl.float32)
+    bj = tl.load(br_row + p * s_br_r + offs_n * s_br_n, mask=mask_n & (count > 0), other=0.0).to(tl.float32)
+    for i in range(count):
+        p = tl.where(p + 1 >= R, p + 1 - R, p + 1)
+        more = i + 1 < count
+        d_next = tl.load(dr_row + p * s_dr_r, mask=more, other=0.0).to(tl.float32)
+        x_next = tl.load(xr_row + p * s_xr_r + offs_p * s_xr_p, mask=mask_p & more, other=0.0).to(tl.float32)
+        b_next = tl.load(br_row + p * s_br_r + offs_n * s_br_n, mask=mask_n & more, other=0.0).to(tl.float32)
         s = s * tl.exp(a * d) + (d * xj)[:, None] * bj[None, :]
+        d, xj, bj = d_next, x_next, b_next
     return s
 
 
@@ -112,6 +119,7 @@ def _replay_step_kernel(
     s_y_b, s_y_t, s_y_h, s_y_p,
     T: tl.constexpr, HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr,
+    FOLD_P: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
@@ -129,11 +137,11 @@ def _replay_step_kernel(
     # The checkpoint tile is the only large read: issue it first, ahead of the cursor chain.
     st_ptrs = state_ptr + slot * s_st_slot + h * s_st_h + offs_p[:, None] * s_st_p + offs_n[None, :] * s_st_n
     mask_pn = mask_p[:, None] & mask_n[None, :]
-    s = tl.load(st_ptrs, mask=mask_pn, other=0.0).to(tl.float32)
     n = tl.load(ntok_ptr + row)
     m = tl.load(hist_ptr + slot)
     start = tl.load(rs_ptr + slot)
     g = h // heads_per_group
+    s = tl.load(st_ptrs, mask=mask_pn, other=0.0).to(tl.float32)
     a = tl.load(A_ptr + h).to(tl.float32)
     xr_row = xr_ptr + slot * s_xr_slot + h * s_xr_h
     dr_row = dr_ptr + slot * s_dr_slot + h * s_dr_h
@@ -146,13 +154,20 @@ def _replay_step_kernel(
     ph = start + jh
     ph = tl.where(ph >= R, ph - R, ph)
     xh = tl.load(xr_row + ph[:, None] * s_xr_r + offs_p[None, :] * s_xr_p, mask=hist[:, None] & mlp,
-                 other=0.0).to(tl.float32)
+                 other=0.0)
     dh = tl.load(dr_row + ph * s_dr_r, mask=hist, other=0.0).to(tl.float32)
+    # Reduce the tile against every token's C now, after the ring loads are issued and before
+    # anything waits on them: the tile's loads then overlap the cursor -> ring chain, and its
+    # registers are free for the rest.
+    jw = tl.arange(0, BLOCK_T)
+    state_out = tl.zeros((BLOCK_T, BLOCK_P), dtype=tl.float32)
+    for t in tl.static_range(T):
+        c = tl.load(C_ptr + row * s_C_b + t * s_C_t + g * s_C_g + offs_n * s_C_n, mask=mask_n, other=0.0)
+        state_out = tl.where(jw[:, None] == t, tl.sum(s * c.to(tl.float32)[None, :], axis=1)[None, :], state_out)
     g_m = tl.sum(dh, axis=0)  # Gamma over the whole history
     to_end = g_m - tl.cumsum(dh, axis=0)  # Gamma after entry j, to the window start
 
     # Window: this step's tokens i < n (logical entries m..m+n-1), rounded to the ring dtypes.
-    jw = tl.arange(0, BLOCK_T)
     win = jw < n
     bias = 0.0
     if HAS_DT_BIAS:
@@ -171,8 +186,6 @@ def _replay_step_kernel(
         d_skip = tl.load(D_ptr + h).to(tl.float32)
     cb_row = cb_ptr + (row * ngroups + g) * (T * (BLOCK_W + BLOCK_T))
     for t in tl.static_range(T):
-        c = tl.load(C_ptr + row * s_C_b + t * s_C_t + g * s_C_g + offs_n * s_C_n, mask=mask_n & (t < n),
-                    other=0.0).to(tl.float32)
         g_t = tl.sum(tl.where(jw == t, gam_w, 0.0), axis=0)
         wh = tl.where(hist, tl.exp(tl.where(hist, a * (to_end + g_t), float("-inf"))) * dh, 0.0)
         wh = wh * tl.load(cb_row + t * (BLOCK_W + BLOCK_T) + jh)
@@ -181,7 +194,8 @@ def _replay_step_kernel(
         ww = ww * tl.load(cb_row + t * (BLOCK_W + BLOCK_T) + BLOCK_W + jw)
         x_t = tl.load(x_row + t * s_x_t + offs_p * s_x_p, mask=mask_p & (t < n), other=0.0)
         x_t = x_t.to(xr_ptr.dtype.element_ty).to(tl.float32)
-        y = (tl.exp(a * (g_m + g_t)) * tl.sum(s * c[None, :], axis=1) + tl.sum(xh * wh[:, None], axis=0)
+        s_c = tl.sum(tl.where(jw[:, None] == t, state_out, 0.0), axis=0)
+        y = (tl.exp(a * (g_m + g_t)) * s_c + tl.sum(xh.to(tl.float32) * wh[:, None], axis=0)
              + tl.sum(xw.to(tl.float32) * ww[:, None], axis=0) + d_skip * x_t)
         y = tl.where(t < n, y, 0.0)
         tl.store(y_ptrs + t * s_y_t, y.to(y_ptr.dtype.element_ty), mask=mask_p)
@@ -192,9 +206,17 @@ def _replay_step_kernel(
     tl.store(xr_row + pw[:, None] * s_xr_r + offs_p[None, :] * s_xr_p, xw, mask=win[:, None] & mlp)
     tl.store(dr_row + pw * s_dr_r, dw, mask=win & (pid_p == 0))
     if (tl.load(flush_ptr + slot) != 0) & (m > 0):  # flush: S1 = fold(S0, history) is the new checkpoint
-        s = _fold(s, xr_row, dr_row, br_ptr + slot * s_br_slot + g * s_br_g, start, m, R, a, offs_p, offs_n,
-                  mask_p, mask_n, s_xr_r, s_xr_p, s_dr_r, s_br_r, s_br_n, BLOCK_W)
-        tl.store(st_ptrs, s.to(state_ptr.dtype.element_ty), mask=mask_pn)
+        # In FOLD_P-row pieces reloaded from the (cached) tile, so the register tile is dead by now
+        # and the flush path does not raise the kernel's register count for every row.
+        for q0 in range(0, BLOCK_P, FOLD_P):
+            offs_q = pid_p * BLOCK_P + q0 + tl.arange(0, FOLD_P)
+            mask_q = offs_q < dim
+            mask_qn = mask_q[:, None] & mask_n[None, :]
+            q_ptrs = state_ptr + slot * s_st_slot + h * s_st_h + offs_q[:, None] * s_st_p + offs_n[None, :] * s_st_n
+            piece = _fold(tl.load(q_ptrs, mask=mask_qn, other=0.0).to(tl.float32), xr_row, dr_row,
+                          br_ptr + slot * s_br_slot + g * s_br_g, start, m, R, a, offs_q, offs_n, mask_q, mask_n,
+                          s_xr_r, s_xr_p, s_dr_r, s_br_r, s_br_n)
+            tl.store(q_ptrs, piece.to(state_ptr.dtype.element_ty), mask=mask_qn)
 
 
 @triton.jit
@@ -205,7 +227,7 @@ def _replay_materialize_kernel(
     s_xr_slot, s_xr_h, s_xr_r, s_xr_p,
     s_dr_slot, s_dr_h, s_dr_r,
     s_br_slot, s_br_g, s_br_r, s_br_n,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, MAX_ENTRIES: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
@@ -228,7 +250,7 @@ def _replay_materialize_kernel(
         s = _fold(s.to(tl.float32), xr_ptr + src * s_xr_slot + h * s_xr_h, dr_ptr + src * s_dr_slot + h * s_dr_h,
                   br_ptr + src * s_br_slot + g * s_br_g, tl.load(rs_ptr + row), nrep, R,
                   tl.load(A_ptr + h).to(tl.float32), offs_p, offs_n, mask_p, mask_n,
-                  s_xr_r, s_xr_p, s_dr_r, s_br_r, s_br_n, MAX_ENTRIES)
+                  s_xr_r, s_xr_p, s_dr_r, s_br_r, s_br_n)
         tl.store(dst_ptrs, s.to(state_ptr.dtype.element_ty), mask=mask_pn)
     else:  # n == 0: the loaded tile, untouched, is an exact copy
         tl.store(dst_ptrs, s, mask=mask_pn)
@@ -269,11 +291,14 @@ def _replay_commit_kernel(rs_ptr, hist_ptr, flush_ptr, slots_ptr, nacc_ptr, rows
 def _step_config(dim: int, dstate: int, ring_len: int, tokens: int) -> tuple[int, int]:
     """(BLOCK_P, num_warps) of the step and materialize kernels.
 
-    Measured on an H200 (P=64, N=128, W=16, T=1, batch 128): BLOCK_P=32 with 2 warps was the best
-    of BLOCK_P 8..64 x 2..8 warps; the step is bound by loads in flight per SM, not arithmetic.
-    Verify (T > 1) keeps more per-token values live, so it gets 4 warps.
+    Measured on an H200 (P=64, N=128, W=16, T=1, batch 128, 2026-12-03): BLOCK_P=16 with one warp
+    (95 registers) was the best of BLOCK_P 16..64 x 1..8 warps, within a few percent of 32 x 2;
+    the step is bound by loads in flight per SM, not arithmetic. Verify (T > 1) keeps more
+    per-token values live; it keeps 32 x 4 (its speed is not yet tuned).
     """
-    return min(triton.next_power_of_2(dim), 32), 2 if tokens == 1 else 4
+    if tokens == 1:
+        return min(triton.next_power_of_2(dim), 16), 1
+    return min(triton.next_power_of_2(dim), 32), 4
 
 
 def _lanes(count: int) -> int:
@@ -388,7 +413,7 @@ def replay_step_triton(
         *state.stride(), *x_ring.stride(), *dt_ring.stride(), *B_ring.stride(),
         *x.stride(), *dt.stride(), *C.stride(), *y.stride(),
         T=tokens, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
-        BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_W=block_w, BLOCK_T=block_t, num_warps=num_warps,
+        BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_W=block_w, BLOCK_T=block_t, FOLD_P=min(block_p, 8), num_warps=num_warps,
     )
     return y
 
@@ -419,6 +444,6 @@ def replay_materialize_triton(
         state, x_ring, dt_ring, B_ring, A, src, dst, ring_start, n,
         ring_len, dim, dstate, nheads // ngroups,
         *state.stride(), *x_ring.stride(), *dt_ring.stride(), *B_ring.stride(),
-        BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(dstate), MAX_ENTRIES=_lanes(ring_len - 1),
+        BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(dstate),
         num_warps=num_warps,
     )

@@ -45,7 +45,8 @@ def ssd_chunk_scan_ref(
     dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, math.inf),
     initial_state: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+    return_chunk_states: bool = False,
+) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """Mamba2 selective scan of one sequence in chunked (SSD) form.
 
     Recurrence, with delta = clamp(softplus(dt + dt_bias), *dt_limit) per (t, h):
@@ -63,10 +64,13 @@ def ssd_chunk_scan_ref(
         dt_softplus: apply softplus to dt + dt_bias.
         dt_limit: (min, max) clamp applied to the processed dt.
         initial_state: (H, P, N) or None (zeros).
+        return_chunk_states: also return the states on the chunk grid.
 
     Returns:
         y: (L, H, P) in x.dtype.
         final_state: (H, P, N) in compute_dtype(x.dtype), the state after token L-1.
+        chunk_states (if asked): (ceil(L / chunk_size), H, P, N), entry c the state after the
+            first c * chunk_size tokens (entry 0 the initial state).
     """
     seqlen, nheads, headdim = x.shape
     ngroups, dstate = B.shape[1], B.shape[2]
@@ -126,6 +130,8 @@ def ssd_chunk_scan_ref(
     y = y.reshape(nchunks * chunk_size, nheads, headdim)[:seqlen]
     if D is not None:
         y = y + D.to(cdt)[:, None] * xc
+    if return_chunk_states:
+        return y.to(x.dtype), state, prev
     return y.to(x.dtype), state
 
 

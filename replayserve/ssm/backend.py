@@ -49,25 +49,39 @@ class SSMBackend(ABC):
         xbc: (L, conv_dim) pre-conv inputs; dt: (L, H) raw time steps. Returns y (L, H, P). The
         stored state is canonical: both backends continue decode from it with empty history.
         captures: (offset, boundary slot) pairs, ascending: the state after the chunk's first
-        `offset` tokens (0 < offset <= L) is also copied into that slot (prefix caching).
+        `offset` tokens (0 < offset <= L) is also written into that slot (prefix caching). Those on
+        the SSD chunk grid come out of one scan; one off the grid splits the chunk there.
         """
-        ys, done = [], 0
-        for offset, dst in (*captures, (xbc.shape[0], None)):
-            if offset > done:
-                ys.append(self._scan(layer, slot, xbc[done:offset], dt[done:offset], params))
-                done = offset
-            if dst is not None:
-                self.copy_canonical(layer, slot, dst)
+        pieces, begin, held = [], 0, []
+        for offset, dst in captures:
+            held.append((offset, dst))
+            if (offset - begin) % params.chunk_size:
+                pieces.append((begin, offset, held))
+                begin, held = offset, []
+        pieces.append((begin, xbc.shape[0], held))
+        ys = [self._scan(layer, slot, xbc[lo:hi], dt[lo:hi], params, tuple((o - lo, d) for o, d in caps))
+              for lo, hi, caps in pieces if hi > lo]
         return ys[0] if len(ys) == 1 else torch.cat(ys)
 
-    def _scan(self, layer: int, slot: int, xbc: torch.Tensor, dt: torch.Tensor, params: MambaParams) -> torch.Tensor:
+    def _scan(self, layer: int, slot: int, xbc: torch.Tensor, dt: torch.Tensor, params: MambaParams,
+              captures: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        """One scan from `slot`'s state; captures at chunk-grid offsets or at the end."""
         conv_state, ssm_state = self.conv_state[layer], self.ssm_state[layer]
+        # The conv state after `o` tokens is the K - 1 inputs before position o.
+        inputs = torch.cat([conv_state[slot].T, xbc]) if captures else None
         xbc, conv_state[slot] = causal_conv1d_ref(xbc, params.conv_weight, params.conv_bias, conv_state[slot])
         x, b, c = self.layout.split_xbc(xbc)
-        y, ssm_state[slot] = ssd_chunk_scan_ref(
+        y, ssm_state[slot], *grid = ssd_chunk_scan_ref(
             x, dt, params.A, b, c, params.chunk_size, D=params.D, dt_bias=params.dt_bias,
-            dt_limit=params.dt_limit, initial_state=ssm_state[slot],
+            dt_limit=params.dt_limit, initial_state=ssm_state[slot], return_chunk_states=bool(captures),
         )
+        width = conv_state.shape[-1]
+        for offset, dst in captures:
+            if offset == xbc.shape[0]:
+                self.copy_canonical(layer, slot, dst)
+            else:
+                conv_state[dst] = inputs[offset : offset + width].T
+                ssm_state[dst] = grid[0][offset // params.chunk_size]
         return y
 
     def copy_canonical(self, layer: int, src: int, dst: int) -> None:

@@ -21,7 +21,8 @@ MODES = [("baseline", "align"), ("baseline", "all"), ("replay", "align"), ("repl
 
 
 def _llm(model_dir: Path, backend: str = "baseline", mode: str | None = None, **kw: object) -> LLM:
-    kw = {"max_num_seqs": 4, "max_model_len": 128, "max_num_batched_tokens": 32, "num_mamba_cache_slots": 32, **kw}
+    kw = {"max_num_seqs": 4, "max_model_len": 128, "max_num_batched_tokens": 32, "num_mamba_cache_slots": 32,
+          "mamba_block_size": BS, **kw}
     return LLM(model=str(model_dir), dtype="float64", block_size=BS, ssm_backend=backend, replay_window=5,
                enable_prefix_caching=mode is not None, mamba_cache_mode=mode or "none", **kw)  # type: ignore[arg-type]
 
@@ -68,10 +69,13 @@ def reference(tiny_model_dir: Path) -> list[list[int]]:
     return _workload(llm.engine)
 
 
+@pytest.mark.parametrize("grid", [BS, 16], ids=["grid4", "grid16"])
 @pytest.mark.parametrize(("backend", "mode"), MODES + [("replay", "none")])
 def test_outputs_equal_caching_off_and_hit(tiny_model_dir: Path, reference: list[list[int]], backend: str,
-                                         mode: str) -> None:
-    llm = _llm(tiny_model_dir, backend, mode)
+                                         mode: str, grid: int) -> None:
+    # grid 16 is the tiny model's SSD chunk: prefill boundary states come out of one scan; grid 4
+    # is off that grid, so a prefill chunk is split at each boundary.
+    llm = _llm(tiny_model_dir, backend, mode, mamba_block_size=grid)
     assert _workload(llm.engine) == reference
     metrics = llm.get_metrics()
     assert metrics["prefix_cache_queries"] > 0
@@ -131,7 +135,8 @@ def test_cache_salt_separates_prefixes(tiny_model_dir: Path) -> None:
     ("mamba_cache_mode", {"enable_prefix_caching": True, "mamba_cache_mode": "every"}),
     ("num_mamba_cache_slots", {"enable_prefix_caching": True, "mamba_cache_mode": "all", "num_mamba_cache_slots": 0}),
     ("max_num_batched_tokens", {"enable_prefix_caching": True, "mamba_cache_mode": "align",
-                                "max_num_batched_tokens": 3}),
+                                "max_num_batched_tokens": 8}),
+    ("mamba_block_size", {"enable_prefix_caching": True, "mamba_cache_mode": "all", "mamba_block_size": 6}),
 ])
 def test_invalid_cache_options_fail_at_construction(tiny_model_dir: Path, option: str, kw: dict) -> None:
     with pytest.raises(ConfigError, match=option):

@@ -74,3 +74,32 @@ def test_replay_matches_baseline_on_cuda(tiny_model_dir: Path, dtype: str) -> No
         assert n >= (64 if dtype == "float32" else 8)
         for la, lb in zip(a.logprobs[:n], b.logprobs[:n], strict=True):
             assert abs(next(iter(la.values())) - next(iter(lb.values()))) < tol
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="runs the Triton kernels; exercised on the H200")
+@pytest.mark.parametrize("backend", ["baseline", "replay"])
+def test_prefix_cache_on_cuda_matches_caching_off(tiny_model_dir: Path, backend: str) -> None:
+    """Triton materialize and the boundary copies on CUDA (float32): a second wave that hits the
+    first wave's prefixes and decode boundaries produces what caching off produces."""
+    prompts = _prompts(512)
+    system = prompts[1]["prompt_token_ids"]
+    second = [{"prompt_token_ids": system + p["prompt_token_ids"]} for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=0)
+    outs = {}
+    for mode in ("off", "all", "align"):
+        llm = LLM(model=str(tiny_model_dir), dtype="float32", device="cuda", max_num_seqs=4, block_size=16,
+                  ssm_backend=backend, enable_prefix_caching=mode != "off",
+                  mamba_cache_mode="none" if mode == "off" else mode, num_mamba_cache_slots=32)
+        first = llm.generate(prompts, params, use_tqdm=False)
+        turn = [{"prompt_token_ids": p["prompt_token_ids"] + o.token_ids + [5, 6]}
+                for p, o in zip(prompts, first, strict=True)]
+        outs[mode] = llm.generate(second + turn, params, use_tqdm=False)
+        if mode != "off":
+            assert llm.get_metrics()["prefix_cache_hits"] > 0
+        assert_pools_full(llm)
+    for mode in ("all", "align"):
+        for a, b in zip(outs["off"], outs[mode], strict=True):
+            n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), 40)
+            assert n >= 20
+            for la, lb in zip(a.logprobs[:n], b.logprobs[:n], strict=True):
+                assert abs(next(iter(la.values())) - next(iter(lb.values()))) < 2e-3
