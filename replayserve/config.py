@@ -6,6 +6,7 @@ what is allowed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -191,6 +192,51 @@ def _decode_special_floats(obj: dict[str, Any]) -> Any:
     return obj
 
 
+SPEC_METHODS = ("ngram", "draft", "mtp", "custom")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: `method` proposes up to `num_speculative_tokens` (k) drafts per decode
+    row, verified in one step of 1 + k tokens. "custom" takes a `Proposer` object (tests)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1  # ngram: shortest suffix to match
+    prompt_lookup_max: int = 3  # ngram: longest suffix to match
+    proposer: Any = None  # custom: a replayserve.spec.proposers.Proposer
+
+    def __post_init__(self) -> None:
+        def fail(option: str, why: str) -> None:
+            raise ConfigError(f"speculative option {option}: {why}")
+
+        if self.method not in SPEC_METHODS:
+            fail("method", f"{self.method!r} is not one of {SPEC_METHODS}")
+        if self.method in ("draft", "mtp"):
+            fail("method", f"{self.method!r} proposers are not implemented yet; use 'ngram'")
+        if self.method == "custom" and self.proposer is None:
+            fail("proposer", "method 'custom' needs a Proposer object")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            fail("num_speculative_tokens", f"must be an int >= 1, got {self.num_speculative_tokens!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            fail("prompt_lookup_min", f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
+                 f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> SpeculativeConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - names)
+        if unknown:
+            raise ConfigError(f"speculative: unknown keys {unknown}; known: {sorted(names)}")
+        if "method" not in raw or "num_speculative_tokens" not in raw:
+            raise ConfigError("speculative needs 'method' and 'num_speculative_tokens'")
+        return cls(**raw)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return 1 + self.num_speculative_tokens
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs besides the weights; validated against the model."""
@@ -210,6 +256,7 @@ class EngineConfig:
     num_mamba_cache_slots: int | None = None  # boundary-state slots; default max_num_seqs
     # Grid of cached Mamba states, a multiple of block_size; default lcm(block_size, chunk_size).
     mamba_block_size: int | None = None
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         def fail(option: str, why: str) -> None:
@@ -222,7 +269,7 @@ class EngineConfig:
         if self.ssm_backend not in SSM_BACKENDS:
             fail("ssm_backend", f"{self.ssm_backend!r} is not one of {SSM_BACKENDS}")
         if self.ssm_backend == "replay":
-            tokens_per_step = 1
+            tokens_per_step = self.tokens_per_step
             if not tokens_per_step <= self.replay_window <= MAX_REPLAY_WINDOW:
                 fail("replay_window", f"{self.replay_window} must be in [{tokens_per_step} (tokens per step), "
                      f"{MAX_REPLAY_WINDOW} (the kernel's limit)]")
@@ -252,6 +299,11 @@ class EngineConfig:
             fail("num_kv_blocks", f"{self.resolved_num_kv_blocks} blocks of {self.block_size} tokens cannot "
                  f"hold one sequence of max_model_len={self.resolved_max_model_len}; "
                  f"need at least {self.blocks_per_seq}")
+
+    @property
+    def tokens_per_step(self) -> int:
+        """T: tokens a decode row runs per step (1 + k with k speculative tokens)."""
+        return self.speculative.tokens_per_step if self.speculative else 1
 
     @property
     def resolved_num_mamba_cache_slots(self) -> int:

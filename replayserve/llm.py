@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from replayserve.config import EngineConfig, ModelConfig
+from replayserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 from replayserve.engine.engine import Engine
 from replayserve.engine.request import Request, SamplingParams
 from replayserve.models.loader import load_model
@@ -44,6 +44,8 @@ class LLM:
     num_mamba_cache_slots: state slots for cached boundary states (default max_num_seqs).
     mamba_block_size: tokens between cached Mamba states, a multiple of block_size (default
     lcm(block_size, the model's SSD chunk size)); prefix hits are multiples of it.
+    speculative: {"method": "ngram" | "custom", "num_speculative_tokens": k, ...} (see
+    `SpeculativeConfig`): decode rows verify up to k proposed tokens per step, losslessly.
     """
 
     def __init__(
@@ -62,6 +64,7 @@ class LLM:
         mamba_cache_mode: str = "none",
         num_mamba_cache_slots: int | None = None,
         mamba_block_size: int | None = None,
+        speculative: dict | None = None,
     ) -> None:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if dtype == "auto":
@@ -72,6 +75,7 @@ class LLM:
             num_kv_blocks=num_kv_blocks, ssm_backend=ssm_backend, replay_window=replay_window,
             enable_prefix_caching=enable_prefix_caching, mamba_cache_mode=mamba_cache_mode,
             num_mamba_cache_slots=num_mamba_cache_slots, mamba_block_size=mamba_block_size,
+            speculative=None if speculative is None else SpeculativeConfig.from_dict(speculative),
         )
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("engine option device: 'cuda' was asked for but torch sees no CUDA device")

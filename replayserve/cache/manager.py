@@ -41,8 +41,8 @@ class BoundaryWrite:
 
     position: int
     slot: int
-    block_hash: BlockHash
-    key: BlockKey
+    block_hash: BlockHash | None  # None inside a verify's drafts: hashed once they are accepted
+    key: BlockKey | None
 
 
 @dataclass
@@ -200,10 +200,11 @@ class CacheManager:
             if b <= start or (not every and b != end):
                 continue
             k = b // self.block_size  # the attention block ending at b keys the state
-            if self.states.lookup(hashes[k - 1], keys[k - 1]) is not None or self.states.num_free == 0:
+            known = k <= len(hashes)
+            if self.states.num_free == 0 or (known and self.states.lookup(hashes[k - 1], keys[k - 1]) is not None):
                 continue
             slot = self.states.allocate()[0]
-            writes.append(BoundaryWrite(b, slot, hashes[k - 1], keys[k - 1]))
+            writes.append(BoundaryWrite(b, slot, *(hashes[k - 1], keys[k - 1]) if known else (None, None)))
         return writes
 
     def publish(self, request: Request, writes: tuple[BoundaryWrite, ...]) -> None:
@@ -216,14 +217,14 @@ class CacheManager:
             for i in range(owned.published, full):
                 self.metrics.published_blocks += self.kv.publish(owned.table[i], hashes[i], keys[i])
             owned.published = max(owned.published, full)
-        self.drop_writes(writes, publish=True)
-
-    def drop_writes(self, writes: tuple[BoundaryWrite, ...], publish: bool = False) -> None:
-        """Publishes (or just frees) the slots of planned boundary writes."""
-        for w in writes:
+        for w in writes:  # a verify's boundaries past its accepted tokens were never written
             assert self.states is not None
-            if publish:
-                self.metrics.published_states += self.states.publish(w.slot, w.block_hash, w.key)
+            if w.position <= request.num_computed_tokens:
+                h, key = w.block_hash, w.key
+                if h is None:  # the block ended in accepted drafts, known by now
+                    keys, hashes = self._hashed(request, self.owned[request.request_id])
+                    h, key = hashes[w.position // self.block_size - 1], keys[w.position // self.block_size - 1]
+                self.metrics.published_states += self.states.publish(w.slot, h, key)
             self.states.release([w.slot])
 
     def check(self) -> None:

@@ -11,8 +11,9 @@ import torch
 class StepContext:
     """The flattened batch of one step.
 
-    Sequences are ordered decodes first (one token each), then prefill chunks. Token tensors have
-    T rows (all sequences' tokens concatenated); sequence tensors have S rows.
+    Sequences are ordered decodes first (one token each, or 1 + drafts for a speculative verify),
+    then prefill chunks. Token tensors have T rows (all sequences' tokens concatenated); sequence
+    tensors have S rows.
 
     positions: (T,) int64 absolute positions.
     slot_mapping: (T,) int64 flat KV slot (block * block_size + offset) of each token.
@@ -36,10 +37,18 @@ class StepContext:
     state_slot_list: tuple[int, ...]
     prefill_captures: tuple[tuple[tuple[int, int], ...], ...] = ()
 
+    @property
+    def decode_lens(self) -> tuple[int, ...]:
+        return self.query_lens[: self.num_decodes]
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(self.decode_lens)
+
     def prefill_segments(self) -> list[tuple[int, int, int, tuple[tuple[int, int], ...]]]:
         """(token start, token end, state slot, captures) of each prefill sequence."""
         out = []
-        start = self.num_decodes
+        start = self.num_decode_tokens
         lens, slots = self.query_lens[self.num_decodes :], self.state_slot_list[self.num_decodes :]
         captures = self.prefill_captures or ((),) * len(lens)
         for qlen, slot, capture in zip(lens, slots, captures, strict=True):

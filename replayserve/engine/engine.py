@@ -13,6 +13,7 @@ from replayserve.engine.request import Request, SamplingParams, Status
 from replayserve.engine.runner import Runner
 from replayserve.engine.scheduler import Scheduler
 from replayserve.models.nemotron_h import NemotronHForCausalLM
+from replayserve.spec.metrics import SpecMetrics, make_proposer
 from replayserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -27,8 +28,11 @@ class Engine:
             config.resolved_num_mamba_cache_slots, config.enable_prefix_caching,
             has_mamba=config.model.num_mamba_layers > 0, state_block=config.resolved_mamba_block_size,
         )
+        spec = config.speculative
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.cache,
-                                   config.mamba_cache_mode)
+                                   config.mamba_cache_mode, make_proposer(spec),
+                                   spec.num_speculative_tokens if spec else 0, config.resolved_max_model_len)
+        self.spec_metrics = SpecMetrics()
         self.runner = Runner(config, model)
         self._ids = itertools.count()
         self._generators: dict[str, torch.Generator] = {}
@@ -71,7 +75,7 @@ class Engine:
 
     def get_metrics(self) -> dict[str, float]:
         """Counters since start: prefix cache (tokens, per group and usable), steps, preemptions."""
-        return {**self.cache.metrics.as_dict(), "num_steps": self.num_steps,
+        return {**self.cache.metrics.as_dict(), **self.spec_metrics.as_dict(), "num_steps": self.num_steps,
                 "num_generated_tokens": self.num_generated_tokens,
                 "num_preemptions": self.scheduler.num_preemptions}
 
@@ -91,23 +95,29 @@ class Engine:
         results = self.runner.execute(
             plan, [r.params for r in sampling], [self._generators.get(r.request_id) for r in sampling]
         )
-        self.scheduler.update(plan)
+        stopped: list[tuple[Request, str]] = []
+        for request, result in zip(sampling, results, strict=True):
+            for i, token in enumerate(result.tokens):  # a verify emits several; a stop cuts them
+                request.output_token_ids.append(token)
+                if result.logprobs is not None:
+                    request.output_logprobs.append(result.logprobs[i])
+                self.num_generated_tokens += 1
+                reason = self._stop_reason(request)
+                if reason is not None:
+                    stopped.append((request, reason))
+                    break
+        drafted = {s.request_id: s.num_drafts for s in plan.seqs if s.num_drafts}
+        kept = {r.request_id: len(res.tokens) for r, res in zip(sampling, results, strict=True)}
+        self.spec_metrics.record(drafted, kept)
+        self.scheduler.update(plan, kept)
         self.num_steps += 1
         if self.config.enable_prefix_caching and logger.isEnabledFor(logging.DEBUG):
             m = self.cache.metrics
             logger.debug("step %d: %d seqs, %d tokens; prefix cache %d/%d tokens hit", self.num_steps,
                          len(plan.seqs), plan.num_tokens, m.hits, m.queries)
-        finished = []
-        for request, result in zip(sampling, results, strict=True):
-            request.output_token_ids.append(result.token)
-            if result.logprobs is not None:
-                request.output_logprobs.append(result.logprobs)
-            self.num_generated_tokens += 1
-            reason = self._stop_reason(request)
-            if reason is not None:
-                self._finish(request, reason)
-                finished.append(request)
-        return finished
+        for request, reason in stopped:
+            self._finish(request, reason)
+        return [request for request, _ in stopped]
 
     def _stop_reason(self, request: Request) -> str | None:
         p, token = request.params, request.output_token_ids[-1]

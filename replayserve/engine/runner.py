@@ -9,7 +9,7 @@ import torch
 from replayserve.config import EngineConfig
 from replayserve.engine.context import StepContext
 from replayserve.engine.request import SamplingParams
-from replayserve.engine.sampler import SampleResult, sample
+from replayserve.engine.sampler import SampleResult, sample, sample_verify
 from replayserve.engine.scheduler import StepPlan
 from replayserve.layers.mamba2 import Mamba2Mixer
 from replayserve.models.nemotron_h import NemotronHForCausalLM
@@ -22,10 +22,12 @@ from replayserve.ssm.replay import ReplayBackend
 def make_ssm_backend(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> SSMBackend:
     """Slots 0..max_num_seqs-1 are live; the prefix cache's boundary slots follow them."""
     num_slots = config.max_num_seqs + config.resolved_num_mamba_cache_slots
+    tokens = config.tokens_per_step
     if config.ssm_backend == "replay":
-        layout = MambaLayout.from_config(config.model, num_slots, dtype, window=config.replay_window)
+        layout = MambaLayout.from_config(config.model, num_slots, dtype, window=config.replay_window,
+                                         tokens_per_step=tokens)
         return ReplayBackend(layout, device)
-    return BaselineBackend(MambaLayout.from_config(config.model, num_slots, dtype), device)
+    return BaselineBackend(MambaLayout.from_config(config.model, num_slots, dtype, tokens_per_step=tokens), device)
 
 
 class Runner:
@@ -91,36 +93,58 @@ class Runner:
             self.ssm.copy_slots(self._ids(src), self._ids(dst))
         input_ids, ctx = self.build_context(plan)
         decode_slots = ctx.state_slots[: ctx.num_decodes]
-        tokens_per_row = torch.ones_like(decode_slots, dtype=torch.int32)  # no draft tokens yet
         if ctx.num_decodes:
-            self.ssm.begin_step(decode_slots, tokens_per_row)
+            self.ssm.begin_step(decode_slots, self._ids(ctx.decode_lens, torch.int32))
         hidden = self.model(input_ids, ctx, self.kv_caches, self.ssm)
-        ends = itertools.accumulate(ctx.query_lens)
-        last = [end - 1 for seq, end in zip(plan.seqs, ends, strict=True) if seq.sample]
-        results = []
-        if last:
-            logits = self.model.compute_logits(hidden[torch.tensor(last, device=self.device)])
-            results = sample(logits, params, generators)
+        # Logits at each sampling row's last token, and at every token of a verify row.
+        picks: list[range] = []
+        end = 0
+        for seq in plan.seqs:
+            end += len(seq.token_ids)
+            if seq.sample:
+                picks.append(range(end - 1 - seq.num_drafts, end))
+        results: list[SampleResult] = []
+        if picks:
+            logits = self.model.compute_logits(hidden[self._ids([i for r in picks for i in r])])
+            results = self._sample(plan, picks, logits, params, generators)
         if ctx.num_decodes:
-            # After sampling, once for all Mamba layers: every decode row keeps its one token.
-            self.ssm.end_step(decode_slots, tokens_per_row)
-            self._publish_decode_boundaries(plan)
+            # After sampling, once for all Mamba layers: the tokens each decode row keeps.
+            kept = [len(r.tokens) for r in results[: ctx.num_decodes]]
+            self.ssm.end_step(decode_slots, self._ids(kept, torch.int32))
+            self._publish_decode_boundaries(plan, kept)
         return results
+
+    def _sample(self, plan: StepPlan, picks: list[range], logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> list[SampleResult]:
+        """Plain rows are sampled as one batch; verify rows one by one (acceptance is per row)."""
+        sampling = [s for s in plan.seqs if s.sample]
+        offsets = list(itertools.accumulate((len(r) for r in picks), initial=0))
+        plain = [i for i, s in enumerate(sampling) if not s.num_drafts]
+        results: list[SampleResult | None] = [None] * len(sampling)
+        if plain:
+            rows = logits[self._ids([offsets[i] for i in plain])]
+            for i, r in zip(plain, sample(rows, [params[i] for i in plain], [generators[i] for i in plain]),
+                            strict=True):
+                results[i] = r
+        for i, seq in enumerate(sampling):
+            if seq.num_drafts:
+                results[i] = sample_verify(logits[offsets[i] : offsets[i + 1]], seq.token_ids[1:], params[i],
+                                           generators[i])
+        return [r for r in results if r is not None]
 
     def _ids(self, values: tuple[int, ...] | list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
-    def _publish_decode_boundaries(self, plan: StepPlan) -> None:
+    def _publish_decode_boundaries(self, plan: StepPlan, kept: list[int]) -> None:
         """Canonical states of decode rows that reached a block boundary, into their boundary slots
-        (prefill rows captured theirs in the forward)."""
-        rows = [(s.state_slot, w.slot, s.start_pos + len(s.token_ids) - w.position)
-                for s in plan.seqs if s.is_decode for w in s.boundary_writes]
-        if not rows:
-            return
-        src, dst, lag = zip(*rows, strict=True)
-        if any(lag):
-            raise NotImplementedError("publishing a boundary inside a multi-token step")
-        self.ssm.publish(self._ids(src), self._ids(dst), self._ids(lag, torch.int32), self.mamba_A())
+        (prefill rows captured theirs in the forward); `kept` are the rows' committed token counts."""
+        rows = [(i, s.state_slot, w.slot, s.start_pos + kept[i] - w.position)
+                for i, s in enumerate(plan.seqs) if s.is_decode for w in s.boundary_writes
+                if w.position <= s.start_pos + kept[i]]
+        if rows:
+            index, src, dst, lag = zip(*rows, strict=True)
+            self.ssm.publish(self._ids(index), self._ids(src), self._ids(dst), self._ids(lag, torch.int32),
+                             self.mamba_A())
 
     def mamba_A(self) -> list[torch.Tensor]:
         """A (H,) of every Mamba layer, in layer order."""

@@ -7,12 +7,20 @@ from dataclasses import dataclass
 import torch
 
 from replayserve.engine.request import SamplingParams
+from replayserve.spec.acceptance import greedy_accept, rejection_accept
 
 
 @dataclass(frozen=True)
 class SampleResult:
-    token: int
-    logprobs: dict[int, float] | None  # the sampled token's and the top-k, when asked
+    """The tokens one sequence emits this step: one, or for a speculative verify the accepted
+    drafts and the bonus token; with each token's log-probabilities when asked."""
+
+    tokens: tuple[int, ...]
+    logprobs: tuple[dict[int, float], ...] | None  # per token: the sampled token's and the top-k
+
+    @property
+    def token(self) -> int:
+        return self.tokens[-1]
 
 
 def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -58,5 +66,29 @@ def sample(
             lp = {tokens_host[row]: chosen[row]}
             if top_ids is not None and top_vals is not None:
                 lp.update(zip(top_ids[row][: p.logprobs], top_vals[row][: p.logprobs], strict=True))
-        results.append(SampleResult(tokens_host[row], lp))
+        results.append(SampleResult((tokens_host[row],), None if lp is None else (lp,)))
     return results
+
+
+def sample_verify(logits: torch.Tensor, drafts: tuple[int, ...], params: SamplingParams,
+                  generator: torch.Generator | None) -> SampleResult:
+    """One verify row: logits (1 + k, V) for the positions after the last known token and after
+    each draft. Greedy: the drafts that match the argmax, then the argmax at the first mismatch.
+    Otherwise lossless rejection sampling against the filtered target distribution (the drafts
+    are deterministic, so their distribution is one-hot)."""
+    if params.greedy:
+        tokens = greedy_accept(logits, drafts)
+    else:
+        probs = torch.stack([_filter(row, params).softmax(-1) for row in logits])
+        tokens = rejection_accept(probs, drafts, None, generator)
+    lps = None
+    if params.logprobs is not None:
+        logprobs = torch.log_softmax(logits[: len(tokens)], dim=-1)
+        lps = []
+        for i, token in enumerate(tokens):
+            lp = {token: logprobs[i, token].item()}
+            if params.logprobs:
+                top = logprobs[i].topk(params.logprobs)
+                lp.update(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+            lps.append(lp)
+    return SampleResult(tuple(tokens), None if lps is None else tuple(lps))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from replayserve.cache.manager import BoundaryWrite, CacheManager
 from replayserve.config import MAMBA_CACHE_MODES
 from replayserve.engine.request import Request, Status
+from replayserve.spec.proposers import Proposer
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class ScheduledSeq:
     sample: bool  # the chunk ends at the request's last known token, so a new one is sampled
     # Canonical Mamba states to write: the state after `position - start_pos` of this step's tokens.
     boundary_writes: tuple[BoundaryWrite, ...] = ()
+    num_drafts: int = 0  # a speculative verify: token_ids = (last known token, *drafts)
 
 
 @dataclass(frozen=True)
@@ -45,13 +47,17 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, cache: CacheManager,
-                 mamba_cache_mode: str = "none") -> None:
+                 mamba_cache_mode: str = "none", proposer: Proposer | None = None, num_speculative_tokens: int = 0,
+                 max_model_len: int | None = None) -> None:
         if mamba_cache_mode not in MAMBA_CACHE_MODES:
             raise ValueError(f"mamba_cache_mode {mamba_cache_mode!r} is not one of {MAMBA_CACHE_MODES}")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.cache = cache
         self.mamba_cache_mode = mamba_cache_mode
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.unfinished: dict[str, Request] = {}
@@ -73,11 +79,13 @@ class Scheduler:
             if request.status is not Status.RUNNING or budget == 0:
                 continue  # preempted as a victim earlier in this loop, or out of budget
             start = request.num_computed_tokens
-            n = 1 if request.decoding else self._chunk(request, start, min(request.num_tokens - start, budget))
+            drafts = self._drafts(request, budget) if request.decoding else ()
+            n = 1 + len(drafts) if request.decoding else self._chunk(request, start, min(request.num_tokens - start,
+                                                                                        budget))
             if n == 0 or not self._reserve(request, n, preempted):
                 continue
             budget -= n
-            (decodes if request.decoding else prefills).append(self._scheduled(request, n))
+            (decodes if request.decoding else prefills).append(self._scheduled(request, n, drafts))
         reset: list[int] = []
         copies: list[tuple[int, int]] = []
         # Admitting after a preemption would only take back the blocks just freed.
@@ -103,6 +111,19 @@ class Scheduler:
             budget -= n
             prefills.append(self._scheduled(request, n))
         return StepPlan(tuple(decodes + prefills), tuple(reset), tuple(preempted), tuple(copies))
+
+    def _drafts(self, request: Request, budget: int) -> tuple[int, ...]:
+        """Draft tokens for a decode row: at most k, the budget, and what max_tokens and
+        max_model_len leave room for (every kept token must still be a legal output)."""
+        if self.proposer is None:
+            return ()
+        room = min(self.num_speculative_tokens, budget - 1,
+                   request.params.max_tokens - len(request.output_token_ids) - 1)
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - request.num_tokens - 1)
+        if room <= 0:
+            return ()
+        return tuple(self.proposer.propose(request.all_token_ids, room))[:room]
 
     def _chunk(self, request: Request, start: int, n: int) -> int:
         """Prefill tokens to run from ``start`` (at most n). In ``align`` mode a chunk ends on a
@@ -131,21 +152,25 @@ class Scheduler:
         self.cache.grow(request.request_id, total)
         return True
 
-    def _scheduled(self, request: Request, n: int) -> ScheduledSeq:
+    def _scheduled(self, request: Request, n: int, drafts: tuple[int, ...] = ()) -> ScheduledSeq:
         start = request.num_computed_tokens
         assert request.state_slot is not None
         writes = ()
         if self.mamba_cache_mode != "none":
-            writes = tuple(self.cache.plan_boundaries(request, start, n, every=self.mamba_cache_mode == "all"))
+            # A verify may end anywhere in its window: plan every boundary it can reach; the
+            # ones beyond what is accepted are dropped after the step.
+            every = self.mamba_cache_mode == "all" or bool(drafts)
+            writes = tuple(self.cache.plan_boundaries(request, start, n, every=every))
         return ScheduledSeq(
             request_id=request.request_id,
-            token_ids=tuple(request.all_token_ids[start : start + n]),
+            token_ids=tuple(request.all_token_ids[start : start + n - len(drafts)]) + drafts,
             start_pos=start,
             block_table=tuple(self.cache.table(request.request_id)),
             state_slot=request.state_slot,
             is_decode=request.decoding,
-            sample=start + n == request.num_tokens,
+            sample=start + n - len(drafts) == request.num_tokens,
             boundary_writes=writes,
+            num_drafts=len(drafts),
         )
 
     def _preempt(self, request: Request) -> None:
@@ -163,12 +188,13 @@ class Scheduler:
         self.cache.free(request)
         request.state_slot = None
 
-    def update(self, plan: StepPlan) -> None:
-        """After the step ran: marks the planned tokens as computed and publishes what they filled
-        (sampled tokens are appended by the engine)."""
+    def update(self, plan: StepPlan, kept: dict[str, int] | None = None) -> None:
+        """After the step ran and its sampled tokens were appended: marks the computed tokens
+        (`kept[request_id]` for a verify row: the tokens it emitted, the rest were rejected) and
+        publishes what they filled."""
         for seq in plan.seqs:
             request = self.unfinished[seq.request_id]
-            request.num_computed_tokens += len(seq.token_ids)
+            request.num_computed_tokens += kept[seq.request_id] if seq.num_drafts else len(seq.token_ids)
             if request.chunk_stop is not None and request.num_computed_tokens >= request.chunk_stop:
                 request.chunk_stop = None
             if seq.sample:

@@ -50,10 +50,29 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = self.in_proj(hidden).split(self.split_sizes, dim=-1)
         params = self.params()
         y = hidden.new_empty(hidden.shape[0], self.num_heads, self.head_dim)
-        nd = ctx.num_decodes
-        if nd:
+        nd, nt = ctx.num_decodes, ctx.num_decode_tokens
+        if nt == nd and nd:  # plain decode: one token per row
             y[:nd] = backend.decode(self.mamba_index, ctx.state_slots[:nd], xbc[:nd], dt[:nd], params)
+        elif nd:  # speculative verify: rows of 1 + drafts tokens, padded to the longest
+            index, lens = _padded_index(ctx.decode_lens, hidden.device)
+            y_rows = backend.verify(self.mamba_index, ctx.state_slots[:nd], xbc[index], dt[index], lens, params)
+            y[:nt] = y_rows.flatten(0, 1)[_valid_positions(ctx.decode_lens, index.shape[1], hidden.device)]
         for start, end, slot, captures in ctx.prefill_segments():
             y[start:end] = backend.prefill(self.mamba_index, slot, xbc[start:end], dt[start:end], params, captures)
         y = self.norm(y.reshape(hidden.shape[0], -1), z)
         return self.out_proj(y)
+
+
+def _padded_index(lens: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, T) token indices of rows of `lens` tokens laid end to end, padded by repeating each
+    row's last token (finite inputs; their outputs are dropped), and the lengths as int32."""
+    width = max(lens)
+    starts = torch.tensor([0, *lens[:-1]], device=device).cumsum(0)
+    lens_t = torch.tensor(lens, device=device)
+    offsets = torch.minimum(torch.arange(width, device=device)[None, :], lens_t[:, None] - 1)
+    return starts[:, None] + offsets, lens_t.to(torch.int32)
+
+
+def _valid_positions(lens: tuple[int, ...], width: int, device: torch.device) -> torch.Tensor:
+    """Flat indices into (rows * T) of each row's real tokens, in order."""
+    return torch.cat([torch.arange(n, device=device) + i * width for i, n in enumerate(lens)])

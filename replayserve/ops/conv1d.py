@@ -117,3 +117,37 @@ def causal_conv1d_update_ref(
     y = _apply_taps(taps, weight.to(cdt), bias_c, activation)
     conv_state[idx] = window[..., 1:].to(conv_state.dtype)
     return y.to(x.dtype)
+
+
+def causal_conv1d_verify_ref(
+    x: Tensor,
+    conv_state: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    state_indices: Tensor,
+    activation: str | None = "silu",
+) -> tuple[Tensor, Tensor]:
+    """Up to T tokens per row (a speculative verify), leaving the conv state untouched.
+
+    Arguments:
+        x: (B, T, D) the rows' tokens, padded to T.
+        conv_state, weight, bias, state_indices, activation: as in ``causal_conv1d_update_ref``.
+
+    Returns:
+        y: (B, T, D) in x.dtype, token t of row b as ``causal_conv1d_update_ref`` would give it
+            after tokens 0..t-1 (identical operation order).
+        window: (B, D, K-1+T) in x.dtype, the stored inputs then the new ones: the conv state
+            after the first j tokens of row b is ``window[b, :, j : j + K - 1]``.
+    """
+    _check_activation(activation)
+    batch, tokens, dim = x.shape
+    width = weight.shape[1]
+    if conv_state.shape[1:] != (dim, width - 1):
+        raise ValueError(f"conv_state must be (S, {dim}, {width - 1}), got {tuple(conv_state.shape)}")
+    window = torch.cat([conv_state[state_indices.long()].to(x.dtype), x.transpose(1, 2)], dim=-1)
+    cdt = compute_dtype(x.dtype)
+    wc = window.to(cdt)
+    taps = [wc[..., k : k + tokens].transpose(1, 2) for k in range(width)]  # (B, T, D) each
+    bias_c = None if bias is None else bias.to(cdt)
+    y = _apply_taps(taps, weight.to(cdt), bias_c, activation)
+    return y.to(x.dtype), window

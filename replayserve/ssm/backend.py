@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from replayserve.ops.conv1d import causal_conv1d_ref
+from replayserve.ops.conv1d import causal_conv1d_ref, causal_conv1d_verify_ref
 from replayserve.ops.ssd import ssd_chunk_scan_ref
 from replayserve.ssm.layout import MambaLayout
 
@@ -35,6 +35,14 @@ class SSMBackend(ABC):
     layout: MambaLayout
     conv_state: list[torch.Tensor]  # per Mamba layer, layout.conv_state_shape
     ssm_state: list[torch.Tensor]  # per Mamba layer, layout.ssm_state_shape (the checkpoint for replay)
+    spec_states: list[torch.Tensor]  # baseline verify: (slots, T, H, P, N), the state after each token
+    # The last verify step's conv windows per layer and accepted counts, kept until the next step
+    # so boundary states inside it can still be published.
+    _windows: dict[int, torch.Tensor]
+    _accepted: torch.Tensor | None
+
+    def _init_step_state(self) -> None:
+        self.spec_states, self._windows, self._accepted = [], {}, None
 
     @abstractmethod
     def reset_slots(self, slots: torch.Tensor) -> None:
@@ -95,17 +103,47 @@ class SSMBackend(ABC):
         for t in (*self.conv_state, *self.ssm_state):
             t[dst] = t[src]
 
-    def publish(self, src: torch.Tensor, dst: torch.Tensor, lag: torch.Tensor, A: list[torch.Tensor]) -> None:
-        """After `end_step`: the canonical state of each decode row's live slot `src`, `lag` committed
-        tokens before its end, into boundary slot `dst` (int64 (B,), int32 (B,) on the device;
-        A: (H,) per Mamba layer). The baseline's live state is canonical after every step."""
-        self.copy_slots(src, dst)
+    def publish(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, lag: torch.Tensor,
+                A: list[torch.Tensor]) -> None:
+        """After `end_step`: the canonical state at a block boundary `lag` committed tokens before
+        the end of decode row `rows` (its live slot `src`) into boundary slot `dst` (all (M,) on the
+        device; A: (H,) per Mamba layer)."""
+        if self._windows:  # a verify step: the boundary may lie inside it
+            j, width = self._accepted[rows] - lag, self.layout.conv_kernel - 1  # j >= 1: tokens to the boundary
+            for layer in range(self.layout.num_layers):
+                self.conv_state[layer][dst] = conv_state_after(self._windows[layer][rows], j, width)
+                self.ssm_state[layer][dst] = self.spec_states[layer][src, j.long() - 1]
+        else:  # plain decode: the live state is canonical after every step
+            self.copy_slots(src, dst)
 
     def begin_step(self, slots: torch.Tensor, num_tokens: torch.Tensor) -> None:
         """Before the forward: the decode rows' slots (B,) int64 and tokens per row (B,) int32."""
+        self._windows = {}
 
     def end_step(self, slots: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """After sampling, once per step for all layers: tokens kept per decode row (B,) int32."""
+        self._accepted = num_accepted
+        for layer, window in self._windows.items():
+            self.conv_state[layer][slots] = conv_state_after(window, num_accepted, self.layout.conv_kernel - 1)
+
+    def verify(
+        self, layer: int, slots: torch.Tensor, xbc: torch.Tensor, dt: torch.Tensor, num_tokens: torch.Tensor,
+        params: MambaParams,
+    ) -> torch.Tensor:
+        """Rows of up to T tokens from their live state (a speculative verify), committing
+        nothing: `end_step` keeps each row's accepted prefix. xbc (B, T, conv_dim) and dt (B, T, H)
+        padded; num_tokens (B,) int32. Returns y (B, T, H, P)."""
+        rows, tokens = xbc.shape[:2]
+        xbc, self._windows[layer] = causal_conv1d_verify_ref(
+            xbc, self.conv_state[layer], params.conv_weight, params.conv_bias, slots)
+        x, b, c = self.layout.split_xbc(xbc.reshape(rows * tokens, -1))
+        shaped = [t.reshape(rows, tokens, *t.shape[1:]) for t in (x, b, c)]
+        return self._verify_ssm(layer, slots, shaped[0], dt, shaped[1], shaped[2], num_tokens, params)
+
+    def _verify_ssm(self, layer: int, slots: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor,
+                    c: torch.Tensor, num_tokens: torch.Tensor, params: MambaParams) -> torch.Tensor:
+        """The SSM part of `verify`: x (B, T, H, P), dt (B, T, H), b and c (B, T, G, N)."""
+        raise NotImplementedError(f"{type(self).__name__} does not verify multi-token rows")
 
     @abstractmethod
     def decode(
@@ -123,3 +161,9 @@ class SSMBackend(ABC):
     @abstractmethod
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor that holds per-slot state."""
+
+
+def conv_state_after(window: torch.Tensor, j: torch.Tensor, width: int) -> torch.Tensor:
+    """The conv state after each row's first j tokens: window (B, D, K-1+T), j (B,) -> (B, D, width)."""
+    index = j.long()[:, None] + torch.arange(width, device=window.device)[None, :]
+    return window.gather(2, index[:, None, :].expand(-1, window.shape[1], -1))

@@ -27,9 +27,31 @@ class BaselineBackend(SSMBackend):
             torch.zeros(layout.ssm_state_shape, dtype=layout.state_dtype, device=device)
             for _ in range(layout.num_layers)
         ]
+        self._init_step_state()
+        if layout.tokens_per_step > 1:  # native speculation: one state per verified position
+            shape = (layout.num_slots, layout.tokens_per_step, *layout.ssm_state_shape[1:])
+            self.spec_states = [torch.zeros(shape, dtype=layout.state_dtype, device=device)
+                                for _ in range(layout.num_layers)]
 
     def state_tensors(self) -> list[torch.Tensor]:
-        return self.conv_state + self.ssm_state
+        return self.conv_state + self.ssm_state + self.spec_states
+
+    def _verify_ssm(self, layer: int, slots: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor,
+                    c: torch.Tensor, num_tokens: torch.Tensor, params: MambaParams) -> torch.Tensor:
+        """Token by token from a copy of the live state, keeping the state after each token."""
+        work = self.ssm_state[layer][slots].clone()
+        ys = []
+        for t in range(x.shape[1]):  # padded tokens run too; their states are never kept
+            ys.append(self._update(work, x[:, t], dt[:, t], params.A, b[:, t], c[:, t], D=params.D,
+                                   dt_bias=params.dt_bias, dt_limit=params.dt_limit))
+            self.spec_states[layer][slots, t] = work
+        return torch.stack(ys, dim=1)
+
+    def end_step(self, slots: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        super().end_step(slots, num_accepted)
+        if self._windows:
+            for layer in range(self.layout.num_layers):
+                self.ssm_state[layer][slots] = self.spec_states[layer][slots, num_accepted.long() - 1]
 
     def reset_slots(self, slots: torch.Tensor) -> None:
         for t in self.state_tensors():

@@ -13,7 +13,7 @@ import torch
 
 from replayserve.ops import replay_ssm as ref
 from replayserve.ops.conv1d import causal_conv1d_update_ref
-from replayserve.ssm.backend import MambaParams, SSMBackend
+from replayserve.ssm.backend import MambaParams, SSMBackend, conv_state_after
 from replayserve.ssm.layout import MambaLayout
 
 
@@ -42,6 +42,7 @@ class ReplayBackend(SSMBackend):
         self.x_ring = zeros(layout.x_ring_shape, layout.act_dtype)
         self.dt_ring = zeros(layout.dt_ring_shape, layout.state_dtype)
         self.b_ring = zeros(layout.b_ring_shape, layout.act_dtype)
+        self._init_step_state()
         self.ring_start = torch.zeros(layout.cursor_shape, dtype=torch.int32, device=device)
         self.history = torch.zeros(layout.cursor_shape, dtype=torch.int32, device=device)
         self.is_flush = torch.zeros(layout.cursor_shape, dtype=torch.bool, device=device)
@@ -59,7 +60,8 @@ class ReplayBackend(SSMBackend):
         for cursor in (self.ring_start, self.history, self.is_flush):  # the copy starts with empty history
             cursor.index_fill_(0, dst, 0)
 
-    def publish(self, src: torch.Tensor, dst: torch.Tensor, lag: torch.Tensor, A: list[torch.Tensor]) -> None:
+    def publish(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, lag: torch.Tensor,
+                A: list[torch.Tensor]) -> None:
         """Materializes: the checkpoint plus the first `history - lag` committed ring entries
         (on the device, no sync); boundary slots are never live, so their cursors stay zero."""
         if src.numel() == 0:
@@ -69,10 +71,14 @@ class ReplayBackend(SSMBackend):
         for layer in range(self.layout.num_layers):
             self._materialize(self.ssm_state[layer], self.x_ring[layer], self.dt_ring[layer], self.b_ring[layer],
                               A[layer], src, dst, start, n)
-            # The conv state is the last K - 1 inputs, so it is canonical only at the step's end.
-            self.conv_state[layer][dst] = self.conv_state[layer][src]
+            if self._windows:  # the conv state is the last K - 1 inputs before the boundary
+                j, width = self._accepted[rows] - lag, self.layout.conv_kernel - 1
+                self.conv_state[layer][dst] = conv_state_after(self._windows[layer][rows], j, width)
+            else:
+                self.conv_state[layer][dst] = self.conv_state[layer][src]
 
     def begin_step(self, slots: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        super().begin_step(slots, num_tokens)
         fresh = torch.zeros_like(slots, dtype=torch.bool)  # fresh slots were reset at admission
         self._prepare(self.ring_start, self.history, self.is_flush, slots, num_tokens, fresh, self.layout.window)
 
@@ -89,5 +95,15 @@ class ReplayBackend(SSMBackend):
         )
         return y[:, 0]
 
+    def _verify_ssm(self, layer: int, slots: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor,
+                    c: torch.Tensor, num_tokens: torch.Tensor, params: MambaParams) -> torch.Tensor:
+        """T tokens from checkpoint + ring; rollback of rejected ones is the commit's cursor move."""
+        return self._step(
+            self.ssm_state[layer], self.x_ring[layer], self.dt_ring[layer], self.b_ring[layer],
+            self.ring_start, self.history, self.is_flush, slots, num_tokens,
+            x, dt, params.A, b, c, params.D, params.dt_bias, params.dt_limit,
+        )
+
     def end_step(self, slots: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        super().end_step(slots, num_accepted)
         self._commit(self.ring_start, self.history, self.is_flush, slots, num_accepted, self.layout.ring_len)

@@ -16,14 +16,15 @@ def _prompts(n: int, vocab: int) -> list[dict[str, list[int]]]:
 
 def test_batch_equals_alone_with_chunked_prefill_and_preemption(tiny_model_dir) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
-    alone = LLM(model=str(tiny_model_dir), dtype="float64", max_num_seqs=1, max_model_len=80, block_size=4)
+    alone = LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", max_num_seqs=1, max_model_len=80,
+                block_size=4)
     prompts = _prompts(8, alone.config.model.vocab_size)
     expected = [alone.generate(p, params, use_tqdm=False)[0] for p in prompts]
 
     # A 16-token budget chunks the longer prompts and mixes chunks with decodes; 24 blocks of 4
     # tokens cannot hold 8 growing requests, so the newest are preempted and recomputed.
     batched = LLM(
-        model=str(tiny_model_dir), dtype="float64", max_num_seqs=8, max_num_batched_tokens=16,
+        model=str(tiny_model_dir), dtype="float64", device="cpu", max_num_seqs=8, max_num_batched_tokens=16,
         max_model_len=80, block_size=4, num_kv_blocks=24,
     )
     outputs = batched.generate(prompts, params, use_tqdm=False)
@@ -38,7 +39,7 @@ def test_batch_equals_alone_with_chunked_prefill_and_preemption(tiny_model_dir) 
 
 
 def test_identical_prompts_in_one_batch_give_identical_rows(tiny_model_dir) -> None:
-    llm = LLM(model=str(tiny_model_dir), dtype="float64", max_num_seqs=4)
+    llm = LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", max_num_seqs=4)
     prompt = _prompts(2, llm.config.model.vocab_size)[1]
     outs = llm.generate([prompt] * 4, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
                         use_tqdm=False)

@@ -22,8 +22,8 @@ MODES = [("baseline", "align"), ("baseline", "all"), ("replay", "align"), ("repl
 
 def _llm(model_dir: Path, backend: str = "baseline", mode: str | None = None, **kw: object) -> LLM:
     kw = {"max_num_seqs": 4, "max_model_len": 128, "max_num_batched_tokens": 32, "num_mamba_cache_slots": 32,
-          "mamba_block_size": BS, **kw}
-    return LLM(model=str(model_dir), dtype="float64", block_size=BS, ssm_backend=backend, replay_window=5,
+          "mamba_block_size": BS, "replay_window": 5, **kw}
+    return LLM(model=str(model_dir), dtype="float64", device="cpu", block_size=BS, ssm_backend=backend,
                enable_prefix_caching=mode is not None, mamba_cache_mode=mode or "none", **kw)  # type: ignore[arg-type]
 
 
@@ -34,8 +34,9 @@ def _tokens(n: int, seed: int) -> list[int]:
 SYSTEM = _tokens(18, 1)  # 4.5 blocks: the shared prefix ends inside a block
 
 
-def _workload(engine: Engine) -> list[list[int]]:
-    """Every case the issue lists, through the engine's own API; returns outputs in request order.
+def _workload(engine: Engine) -> list[tuple[list[int], list[int]]]:
+    """Every case the issue lists, through the engine's own API; returns (prompt, output) pairs in
+    request order.
 
     A long shared system prompt (several requests at once and later ones), a second turn that
     extends a finished conversation, hits arriving while the donor is still decoding."""
@@ -60,18 +61,18 @@ def _workload(engine: Engine) -> list[list[int]]:
     add(SYSTEM + _tokens(2, 6))
     add(SYSTEM + _tokens(9, 7))
     drain()
-    return [r.output_token_ids for r in requests]
+    return [(r.prompt_token_ids, r.output_token_ids) for r in requests]
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path) -> list[list[int]]:
+def reference(tiny_model_dir: Path) -> list[tuple[list[int], list[int]]]:
     llm = _llm(tiny_model_dir)
     return _workload(llm.engine)
 
 
 @pytest.mark.parametrize("grid", [BS, 16], ids=["grid4", "grid16"])
 @pytest.mark.parametrize(("backend", "mode"), MODES + [("replay", "none")])
-def test_outputs_equal_caching_off_and_hit(tiny_model_dir: Path, reference: list[list[int]], backend: str,
+def test_outputs_equal_caching_off_and_hit(tiny_model_dir: Path, reference: list, backend: str,
                                          mode: str, grid: int) -> None:
     # grid 16 is the tiny model's SSD chunk: prefill boundary states come out of one scan; grid 4
     # is off that grid, so a prefill chunk is split at each boundary.
@@ -88,7 +89,7 @@ def test_outputs_equal_caching_off_and_hit(tiny_model_dir: Path, reference: list
 
 
 @pytest.mark.parametrize(("backend", "mode"), MODES)
-def test_small_pools_evict_and_preempt_without_changing_outputs(tiny_model_dir: Path, reference: list[list[int]],
+def test_small_pools_evict_and_preempt_without_changing_outputs(tiny_model_dir: Path, reference: list,
                                                                backend: str, mode: str) -> None:
     # 24 blocks of 4 hold ~2 requests: blocks are evicted, requests preempted; 2 boundary slots.
     llm = _llm(tiny_model_dir, backend, mode, num_kv_blocks=24, max_model_len=96, num_mamba_cache_slots=2)
@@ -140,7 +141,7 @@ def test_cache_salt_separates_prefixes(tiny_model_dir: Path) -> None:
 ])
 def test_invalid_cache_options_fail_at_construction(tiny_model_dir: Path, option: str, kw: dict) -> None:
     with pytest.raises(ConfigError, match=option):
-        LLM(model=str(tiny_model_dir), dtype="float64", block_size=BS, **kw)
+        LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", block_size=BS, **kw)
 
 
 # -- published states against a from-scratch recomputation -------------------------------------

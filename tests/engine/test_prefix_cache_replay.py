@@ -38,9 +38,9 @@ def _recorded_materializations(llm: LLM) -> list[tuple[int, int]]:
 ])
 def test_replay_lengths_mid_ring_and_right_after_a_flush(tiny_model_dir: Path, prompt_len: int, decodes: int,
                                                           expected: list[int]) -> None:
-    llm = LLM(model=str(tiny_model_dir), dtype="float64", block_size=16, max_num_seqs=2, max_model_len=160,
-              max_num_batched_tokens=128, ssm_backend="replay", replay_window=16, enable_prefix_caching=True,
-              mamba_cache_mode="all", num_mamba_cache_slots=16)
+    llm = LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", block_size=16, max_num_seqs=2,
+              max_model_len=160, max_num_batched_tokens=128, ssm_backend="replay", replay_window=16,
+              enable_prefix_caching=True, mamba_cache_mode="all", num_mamba_cache_slots=16)
     calls = _recorded_materializations(llm)
     prompt = torch.randint(3, 500, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len)).tolist()
     # `decodes` sampled tokens: the first from the prefill, then one per decode step.

@@ -20,7 +20,7 @@ def _prompts(vocab: int) -> list[dict[str, list[int]]]:
 
 @pytest.fixture(scope="module")
 def baseline(tiny_model_dir: Path) -> list:
-    llm = LLM(model=str(tiny_model_dir), dtype="float64", max_num_seqs=4, max_model_len=256)
+    llm = LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", max_num_seqs=4, max_model_len=256)
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, logprobs=0)
     return llm.generate(_prompts(llm.config.model.vocab_size), params, use_tqdm=False)
 
@@ -30,7 +30,7 @@ def test_replay_matches_baseline_over_200_tokens(tiny_model_dir: Path, baseline:
     # A 12-token budget chunks the prefills; 160 blocks of 4 cannot hold 4 requests of ~230
     # tokens, so requests are preempted and readmitted into fresh slots mid-decode.
     llm = LLM(
-        model=str(tiny_model_dir), dtype="float64", max_num_seqs=4, max_model_len=256, block_size=4,
+        model=str(tiny_model_dir), dtype="float64", device="cpu", max_num_seqs=4, max_model_len=256, block_size=4,
         max_num_batched_tokens=12, num_kv_blocks=160, ssm_backend="replay", replay_window=window,
     )
     assert isinstance(llm.engine.runner.ssm, ReplayBackend)

@@ -17,7 +17,7 @@ PROMPT = {"prompt_token_ids": [10, 11, 12, 13, 14, 15]}
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir: Path) -> LLM:
-    return LLM(model=str(tiny_model_dir), dtype="float64", max_num_seqs=8)
+    return LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", max_num_seqs=8)
 
 
 def _greedy(llm: LLM, n: int = 12) -> list[int]:
@@ -64,7 +64,7 @@ def test_stop_token_ids_eos_and_max_tokens(llm: LLM) -> None:
 
 
 def test_eos_stops_unless_ignored(tiny_model_dir: Path) -> None:
-    llm = LLM(model=str(tiny_model_dir), dtype="float64")
+    llm = LLM(model=str(tiny_model_dir), dtype="float64", device="cpu")
     greedy = _greedy(llm)
     # Make the model's own 3rd greedy token the EOS token.
     object.__setattr__(llm.engine.config.model, "eos_token_ids", (greedy[2],))

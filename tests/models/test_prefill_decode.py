@@ -10,7 +10,7 @@ from replayserve import LLM, SamplingParams
 
 
 def test_decode_logprobs_equal_full_prefill(tiny_model_dir: Path) -> None:
-    llm = LLM(model=str(tiny_model_dir), dtype="float64", block_size=4, max_num_batched_tokens=7)
+    llm = LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", block_size=4, max_num_batched_tokens=7)
     vocab = llm.config.model.vocab_size
     prompt = torch.randint(3, vocab, (21,), generator=torch.Generator().manual_seed(3)).tolist()
     out = llm.generate({"prompt_token_ids": prompt},

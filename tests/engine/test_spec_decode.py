@@ -1,0 +1,149 @@
+"""Speculative decoding end to end (float64, CPU): greedy output with spec on equals spec off for
+both SSM backends, every cache mode and k in {1, 3, 5}, with chunked prefill, preemption and
+prefix hits in play; accepted counts follow the test proposer's corruption pattern; memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from replayserve import LLM, SamplingParams
+from replayserve.config import ConfigError
+from replayserve.spec.proposers import OracleProposer
+from tests.conftest import assert_pools_full
+from tests.engine.test_prefix_cache import BS, _llm, _workload, check_boundary_states
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (9, 30, 5, 17)]
+
+
+@pytest.fixture(scope="module")
+def greedy_paths(tiny_model_dir: Path) -> dict[tuple[int, ...], list[int]]:
+    """Each prompt's greedy continuation with spec off: the oracle's knowledge and the reference."""
+    llm = LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", max_num_seqs=4)
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY, use_tqdm=False)
+    return {tuple(p): o.token_ids for p, o in zip(_prompts(), outs, strict=True)}
+
+
+def _spec(proposer: object, k: int) -> dict:
+    return {"method": "custom", "num_speculative_tokens": k, "proposer": proposer}
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("backend", ["baseline", "replay"])
+def test_greedy_spec_equals_spec_off_with_chunking_and_preemption(tiny_model_dir: Path, greedy_paths: dict,
+                                                                   backend: str, k: int) -> None:
+    # A 10-token budget chunks prefills and squeezes drafts; 24 blocks of 4 force preemptions.
+    proposer = OracleProposer(greedy_paths, corrupt_prob=0.4, vocab_size=512, seed=k)
+    llm = LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", max_num_seqs=4, block_size=4, num_kv_blocks=24,
+              max_model_len=72, max_num_batched_tokens=10, ssm_backend=backend, replay_window=8,
+              speculative=_spec(proposer, k))
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == list(greedy_paths.values())
+    m = llm.get_metrics()
+    assert m["num_preemptions"] > 0 and 0 < m["spec_num_accepted_tokens"] < m["spec_num_draft_tokens"]
+    assert_pools_full(llm)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize(("backend", "mode"), [("baseline", "align"), ("baseline", "all"), ("replay", "none"),
+                                               ("replay", "align"), ("replay", "all")])
+def test_spec_with_prefix_hits_matches_and_publishes_exact_states(tiny_model_dir: Path, backend: str, mode: str,
+                                                                  k: int) -> None:
+    """The prefix-cache workload (shared prompts, second turns, hits while decoding) with drafts
+    from its own greedy paths, a third corrupted: verifies cross block boundaries, which are
+    published from accepted tokens only."""
+    reference = _workload(_llm(tiny_model_dir).engine)
+    proposer = OracleProposer({tuple(p): o for p, o in reference}, corrupt_prob=0.3, vocab_size=512, seed=k)
+    llm = _llm(tiny_model_dir, backend, mode, replay_window=8, speculative=_spec(proposer, k))
+    assert _workload(llm.engine) == reference
+    m = llm.get_metrics()
+    assert m["spec_num_draft_tokens"] > 0
+    if mode != "none":
+        assert m["prefix_cache_hits"] > 0 and check_boundary_states(llm, tiny_model_dir) > 0
+    assert_pools_full(llm)
+
+
+@pytest.mark.parametrize("prob", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("backend", ["baseline", "replay"])
+def test_accepted_counts_follow_the_corruption_pattern(tiny_model_dir: Path, greedy_paths: dict, backend: str,
+                                                       prob: float) -> None:
+    k = 3
+    proposer = OracleProposer(greedy_paths, corrupt_prob=prob, vocab_size=512, seed=7)
+    llm = LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", max_num_seqs=4, ssm_backend=backend,
+              speculative=_spec(proposer, k))
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == list(greedy_paths.values())
+    drafted = accepted = 0
+    per_position = [0] * k
+    for prompt in _prompts():  # replay the proposer's decisions along the greedy path
+        pos = 1  # the prefill samples output 0; each verify starts after the last known token
+        while pos < GREEDY.max_tokens:
+            room = min(k, GREEDY.max_tokens - pos - 1)
+            if room <= 0:
+                pos += 1
+                continue
+            n = next((i for i in range(room) if proposer.is_corrupted(prompt, pos + i)), room)
+            drafted, accepted = drafted + room, accepted + n
+            for i in range(n):
+                per_position[i] += 1
+            pos += n + 1
+    m = llm.get_metrics()
+    assert (m["spec_num_draft_tokens"], m["spec_num_accepted_tokens"]) == (drafted, accepted)
+    assert m["spec_accepted_per_position"] == per_position
+    assert m["spec_acceptance_rate"] == (accepted / drafted if drafted else 0.0)
+
+
+def test_sampling_with_spec_is_seeded_and_runs(tiny_model_dir: Path, greedy_paths: dict) -> None:
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=30, seed=11, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        llm = LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", max_num_seqs=4, ssm_backend="replay",
+                  speculative=_spec(OracleProposer(greedy_paths, 0.2, 512), 3))
+        runs.append([o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in _prompts()], params,
+                                                        use_tqdm=False)])
+        assert_pools_full(llm)
+    assert runs[0] == runs[1] and all(len(t) == 30 for t in runs[0])
+
+
+def test_replay_memory_does_not_grow_with_k_and_baseline_does(tiny_model_dir: Path) -> None:
+    def state_bytes(backend: str, k: int | None) -> tuple[int, int]:
+        spec = None if k is None else {"method": "ngram", "num_speculative_tokens": k}
+        llm = LLM(model=str(tiny_model_dir), dtype="float32", max_num_seqs=4, ssm_backend=backend, replay_window=16,
+                  speculative=spec)
+        ssm = llm.engine.runner.ssm
+        one_state = sum(t[0].numel() * t.element_size() for t in ssm.ssm_state)  # one slot, all layers
+        return ssm.memory_bytes(), one_state
+
+    slots = 4
+    replay_1, state = state_bytes("replay", 1)
+    replay_5, _ = state_bytes("replay", 5)
+    # Only the rings lengthen (R = W + T): 4 more entries per slot, a small fraction of one state.
+    assert replay_5 - replay_1 < 0.5 * state * slots
+    base_0, _ = state_bytes("baseline", None)
+    base_5, _ = state_bytes("baseline", 5)
+    assert base_5 - base_0 >= 5 * state * slots  # native: one state per verified position
+
+
+@pytest.mark.parametrize(("spec", "option"), [
+    ({"method": "mtp", "num_speculative_tokens": 2}, "method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown keys"),
+    ({"method": "custom", "num_speculative_tokens": 2}, "proposer"),
+])
+def test_invalid_speculative_options_fail_at_construction(tiny_model_dir: Path, spec: dict, option: str) -> None:
+    with pytest.raises(ConfigError, match=option):
+        LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", speculative=spec)
+
+
+def test_replay_window_below_tokens_per_step_is_rejected(tiny_model_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="replay_window"):
+        LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", ssm_backend="replay", replay_window=3,
+            speculative={"method": "ngram", "num_speculative_tokens": 3})
+    assert BS == 4

@@ -1,0 +1,202 @@
+"""Draft verification: greedy matching, and rejection sampling that preserves the target distribution."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from replayserve.spec.acceptance import _rejection_accept_batch, greedy_accept, rejection_accept
+
+# Chi-square critical value for df = 5 (V = 6) at alpha = 0.001: 20.515 (standard chi-square table).
+CHI2_CRIT_DF5_ALPHA_001 = 20.515
+N = 40000  # enough that moving 2% of one token's mass gives a statistic far above the critical value
+
+P = torch.tensor(
+    [
+        [0.30, 0.25, 0.15, 0.12, 0.10, 0.08],
+        [0.05, 0.10, 0.40, 0.20, 0.15, 0.10],
+        [0.10, 0.20, 0.10, 0.20, 0.20, 0.20],
+    ],
+    dtype=torch.float64,
+)
+Q = torch.tensor(
+    [
+        [0.10, 0.30, 0.25, 0.05, 0.20, 0.10],
+        [0.20, 0.20, 0.20, 0.20, 0.10, 0.10],
+    ],
+    dtype=torch.float64,
+)
+
+
+def _chi2(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's goodness-of-fit statistic of integer samples (n,) against probabilities (V,)."""
+    counts = torch.bincount(samples, minlength=probs.numel()).to(torch.float64)
+    expected = samples.numel() * probs
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def _shift(probs: torch.Tensor, src: int, dst: int, amount: float = 0.02) -> torch.Tensor:
+    """probs with `amount` of absolute mass moved from token src to token dst (still a distribution)."""
+    shifted = probs.clone()
+    shifted[src] -= amount
+    shifted[dst] += amount
+    return shifted
+
+
+def _emitted(drafts: torch.Tensor, accepted: torch.Tensor, token: torch.Tensor, i: int) -> tuple[torch.Tensor, ...]:
+    """(mask, values): rows that emit an i-th token (all earlier drafts accepted) and that token."""
+    mask = accepted >= i
+    values = torch.where(accepted > i, drafts[:, i] if i < drafts.shape[1] else token, token)
+    return mask, values[mask]
+
+
+# ---------------------------------------------------------------------------------------------- greedy
+
+
+def _logits_for(argmaxes: list[int], vocab: int = 8) -> torch.Tensor:
+    logits = torch.randn(len(argmaxes), vocab, generator=torch.Generator().manual_seed(0))
+    logits[torch.arange(len(argmaxes)), torch.tensor(argmaxes)] = 10.0
+    return logits
+
+
+def test_greedy_all_accepted_emits_the_bonus_token() -> None:
+    assert greedy_accept(_logits_for([3, 1, 4, 6]), [3, 1, 4]) == [3, 1, 4, 6]
+
+
+def test_greedy_first_draft_rejected() -> None:
+    assert greedy_accept(_logits_for([3, 1, 4, 6]), [2, 1, 4]) == [3]
+
+
+def test_greedy_middle_rejection_stops_there() -> None:
+    # Drafts after the mismatch are not looked at, even where they happen to match.
+    assert greedy_accept(_logits_for([3, 1, 4, 6]), [3, 5, 4]) == [3, 1]
+
+
+def test_greedy_no_drafts_emits_one_token() -> None:
+    assert greedy_accept(_logits_for([5]), []) == [5]
+
+
+def test_greedy_rejects_mismatched_rows() -> None:
+    with pytest.raises(ValueError, match="len\\(drafts\\) \\+ 1"):
+        greedy_accept(_logits_for([3, 1]), [3, 1])
+
+
+# ---------------------------------------------------------------------------------------------- rejection
+
+
+def test_rejection_identical_distributions_accept_every_draft() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        probs = torch.rand(4, 10, generator=gen).softmax(-1)
+        drafts = torch.multinomial(probs[:3], 1, generator=gen)[:, 0].tolist()
+        emitted = rejection_accept(probs, drafts, probs[:3].clone(), generator=gen)
+        assert emitted[:3] == drafts and len(emitted) == 4
+
+
+def test_rejection_preserves_the_target_distribution() -> None:
+    gen = torch.Generator().manual_seed(1234)
+    drafts = torch.stack([torch.multinomial(Q[i], N, replacement=True, generator=gen) for i in range(2)], dim=1)
+    accepted, token = _rejection_accept_batch(P.expand(N, 3, 6), drafts, Q.expand(N, 2, 6), generator=gen)
+
+    _, first = _emitted(drafts, accepted, token, 0)
+    mask, second = _emitted(drafts, accepted, token, 1)
+    assert mask.sum() > 0.7 * N  # sum(min(p_0, q_0)) = 0.73 of rows accept the first draft
+    _, bonus = _emitted(drafts, accepted, token, 2)
+    assert _chi2(first, P[0]) < CHI2_CRIT_DF5_ALPHA_001
+    assert _chi2(second, P[1]) < CHI2_CRIT_DF5_ALPHA_001
+    assert _chi2(bonus, P[2]) < CHI2_CRIT_DF5_ALPHA_001
+    # Power: the same samples against a target with 2% of one token's mass moved must fail the test,
+    # so the checks above could have failed.
+    assert _chi2(first, _shift(P[0], 1, 0)) > CHI2_CRIT_DF5_ALPHA_001
+    assert _chi2(second, _shift(P[1], 3, 2)) > CHI2_CRIT_DF5_ALPHA_001
+    # And the drafts alone (q) are far from p: the rejection step is doing the work.
+    assert _chi2(drafts[:, 0], P[0]) > CHI2_CRIT_DF5_ALPHA_001
+
+
+def test_rejection_deterministic_drafts_accept_at_the_target_probability() -> None:
+    gen = torch.Generator().manual_seed(7)
+    drafts = torch.tensor([2, 4]).expand(N, 2)
+    accepted, token = _rejection_accept_batch(P.expand(N, 3, 6), drafts, None, generator=gen)
+    rate0 = float((accepted >= 1).double().mean())
+    assert abs(rate0 - float(P[0, 2])) < 5 * math.sqrt(float(P[0, 2] * (1 - P[0, 2])) / N)
+    given = accepted >= 1
+    rate1 = float((accepted[given] >= 2).double().mean())
+    n1 = int(given.sum())
+    assert abs(rate1 - float(P[1, 4])) < 5 * math.sqrt(float(P[1, 4] * (1 - P[1, 4])) / n1)
+    # One-hot drafts are lossless too: the first emitted token follows p_0.
+    _, first = _emitted(drafts, accepted, token, 0)
+    assert _chi2(first, P[0]) < CHI2_CRIT_DF5_ALPHA_001
+    assert _chi2(first, _shift(P[0], 1, 0)) > CHI2_CRIT_DF5_ALPHA_001
+
+
+def test_rejection_single_row_acceptance_rate_with_deterministic_drafts() -> None:
+    gen = torch.Generator().manual_seed(3)
+    n = 2000
+    hits = sum(rejection_accept(P[:2], [2], None, generator=gen)[0] == 2 for _ in range(n))
+    # Emitting 2 first happens by acceptance (p_0(2)) or never: the residual excludes the draft.
+    assert abs(hits / n - float(P[0, 2])) < 5 * math.sqrt(float(P[0, 2] * (1 - P[0, 2])) / n)
+
+
+def test_rejection_single_row_matches_the_batched_helper_and_is_seeded() -> None:
+    for seed in range(20):
+        drafts = [1, 2]
+        one = rejection_accept(P, drafts, Q, generator=torch.Generator().manual_seed(seed))
+        again = rejection_accept(P, drafts, Q, generator=torch.Generator().manual_seed(seed))
+        accepted, token = _rejection_accept_batch(
+            P[None], torch.tensor([drafts]), Q[None], generator=torch.Generator().manual_seed(seed)
+        )
+        assert one == again == [*drafts[: int(accepted[0])], int(token[0])]
+
+
+def test_rejection_no_drafts_samples_the_bonus_from_p0() -> None:
+    probs = torch.zeros(1, 5, dtype=torch.float64)
+    probs[0, 3] = 1.0
+    assert rejection_accept(probs, [], None) == [3]
+    assert rejection_accept(probs, [], torch.zeros(0, 5)) == [3]
+
+
+def test_rejection_zero_draft_probability_always_accepts() -> None:
+    p = torch.tensor([[0.5, 0.3, 0.2], [0.0, 0.0, 1.0]])
+    q = torch.tensor([[1.0, 0.0, 0.0]])  # the draft 1 has q == 0 < p
+    for seed in range(50):
+        assert rejection_accept(p, [1], q, generator=torch.Generator().manual_seed(seed)) == [1, 2]
+
+
+def test_rejection_zero_target_probability_always_rejects() -> None:
+    p = torch.tensor([[0.5, 0.0, 0.5], [1.0, 0.0, 0.0]])
+    for seed in range(50):
+        gen = torch.Generator().manual_seed(seed)
+        assert rejection_accept(p, [1], torch.tensor([[0.2, 0.6, 0.2]]), generator=gen)[0] in (0, 2)
+        assert rejection_accept(p, [1], None, generator=gen)[0] in (0, 2)
+
+
+def test_rejection_empty_residual_falls_back_to_p() -> None:
+    # q dominates p everywhere (q here is not normalised), so a rejection leaves max(p - q, 0) == 0.
+    p = torch.tensor([[0.5, 0.5], [1.0, 0.0]])
+    q = torch.tensor([[0.5, 1.0]])
+    results = [rejection_accept(p, [1], q, generator=torch.Generator().manual_seed(s)) for s in range(60)]
+    rejected = [r for r in results if len(r) == 1]
+    assert rejected and len(rejected) < len(results)
+    assert all(r[0] in (0, 1) for r in rejected)
+
+
+def test_rejection_tiny_probabilities_do_not_flip_decisions() -> None:
+    # p(d) == q(d) at a half-precision subnormal must accept for every uniform draw.
+    p = torch.tensor([[6e-8, 0.5, 0.5], [0.0, 1.0, 0.0]], dtype=torch.float16)
+    for seed in range(50):
+        assert rejection_accept(p, [0], p[:1].clone(), generator=torch.Generator().manual_seed(seed)) == [0, 1]
+
+
+def test_rejection_rejects_bad_shapes_and_tokens() -> None:
+    with pytest.raises(ValueError, match="target_probs of shape"):
+        rejection_accept(P, [1], None)
+    with pytest.raises(ValueError, match="drafts must have shape"):
+        _rejection_accept_batch(P[None], torch.tensor([1, 2]), None)
+    with pytest.raises(ValueError, match="draft_probs must have shape"):
+        rejection_accept(P, [1, 2], Q[:1])
+    with pytest.raises(ValueError, match="draft tokens"):
+        rejection_accept(P, [1, 6], None)
+    with pytest.raises(ValueError, match="target_probs"):
+        rejection_accept(P[0], [], None)
