@@ -147,3 +147,25 @@ def test_replay_window_below_tokens_per_step_is_rejected(tiny_model_dir: Path) -
         LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", ssm_backend="replay", replay_window=3,
             speculative={"method": "ngram", "num_speculative_tokens": 3})
     assert BS == 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="runs the Triton kernels; exercised on the H200")
+@pytest.mark.parametrize("backend", ["baseline", "replay"])
+def test_spec_on_cuda_matches_spec_off(tiny_model_dir: Path, backend: str) -> None:
+    """The Triton verify step (T = 4 rows, mixed lengths) and commit on CUDA (float32)."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=0)
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    off = LLM(model=str(tiny_model_dir), dtype="float32", device="cuda", max_num_seqs=4, ssm_backend=backend)
+    want = off.generate(prompts, params, use_tqdm=False)
+    proposer = OracleProposer({tuple(p["prompt_token_ids"]): o.token_ids for p, o in zip(prompts, want, strict=True)},
+                              corrupt_prob=0.3, vocab_size=512, seed=2)
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", device="cuda", max_num_seqs=4, ssm_backend=backend,
+              speculative=_spec(proposer, 3))
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.get_metrics()["spec_num_accepted_tokens"] > 0
+    for a, b in zip(want, got, strict=True):
+        n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), 40)
+        assert n >= 20
+        for la, lb in zip(a.logprobs[:n], b.logprobs[:n], strict=True):
+            assert abs(next(iter(la.values())) - next(iter(lb.values()))) < 2e-3
+    assert_pools_full(llm)
