@@ -5,8 +5,10 @@ prefix, where caching can only cost (bookkeeping, boundary-state copies).
 A wave of ``--requests`` prompts (one ``--prefix``-token system prompt + a ``--suffix``-token
 question each) arrives at once after one warm-up request has served the system prompt. TTFT is
 measured per request from the wave's arrival to its first sampled token; throughput is generated
-tokens over the wave's wall time; both are medians over ``--repeats`` waves. Every configuration
-is checked to produce the same greedy tokens as caching off. The model is a random Nemotron-H
+tokens over the wave's wall time; both are medians over ``--repeats`` rounds, each round one wave
+per configuration in a rotating order; "vs none (paired)" is the median over rounds of the
+throughput ratio to ``mamba_cache_mode='none'`` in the same round. Every configuration is checked
+to produce the same greedy tokens as caching off. The model is a random Nemotron-H
 built locally (`--size tiny|medium`).
 
     python benchmarks/bench_prefix_cache.py [--device cuda] [--size medium] [--requests 32] [--out r.json]
@@ -71,29 +73,18 @@ def run_wave(llm: LLM, wave: list[list[int]], max_tokens: int) -> tuple[list[flo
     return [first[r.request_id] for r in requests], wall, [r.output_token_ids for r in requests]
 
 
-def measure(model_dir: Path, args: argparse.Namespace, backend: str, caching: str, mode: str,
-            shared: bool) -> dict[str, float | str]:
-    llm = LLM(str(model_dir), dtype=args.dtype, device=args.device, max_num_seqs=args.requests,
-              max_num_batched_tokens=args.budget, block_size=args.block_size,
-              max_model_len=args.prefix + args.suffix + args.max_tokens + 16, ssm_backend=backend,
-              enable_prefix_caching=caching == "on", mamba_cache_mode=mode,
-              num_mamba_cache_slots=4 * args.requests if mode != "none" else None)
-    vocab = llm.config.model.vocab_size
-    warm = prompts(1, args.prefix, args.suffix, True, vocab, seed=1)
-    run_wave(llm, warm, 2)  # compiles kernels, and serves the system prompt once
-    ttfts, walls, outs = [], [], []
-    for rep in range(args.repeats):  # fresh questions (and fresh heads when unshared) each wave
-        wave = prompts(args.requests, args.prefix, args.suffix, shared, vocab, seed=2 + rep)
-        ttft, wall, wave_outs = run_wave(llm, wave, args.max_tokens)
-        ttfts.append(statistics.mean(ttft))
-        walls.append(wall)
-        outs += wave_outs
-    ttft_mean, wall = statistics.median(ttfts), statistics.median(walls)
-    m = llm.get_metrics()
-    hits = m["prefix_cache_hits"] / m["prefix_cache_queries"] if m["prefix_cache_queries"] else 0.0
-    return {"backend": backend, "caching": caching, "mode": mode, "shared": shared,
-            "ttft_mean_ms": 1e3 * ttft_mean, "tok_s": args.requests * args.max_tokens / wall, "wall_s": wall,
-            "hit_rate": hits, "outputs": outs}
+def twin(records: list[dict], r: dict, caching: str, mode: str) -> dict:
+    """The record of the same workload and backend with the given caching and mode."""
+    return next(b for b in records if (b["backend"], b["shared"], b["caching"], b["mode"])
+                == (r["backend"], r["shared"], caching, mode))
+
+
+def make_llm(model_dir: Path, args: argparse.Namespace, backend: str, caching: str, mode: str) -> LLM:
+    return LLM(str(model_dir), dtype=args.dtype, device=args.device, max_num_seqs=args.requests,
+               max_num_batched_tokens=args.budget, block_size=args.block_size,
+               max_model_len=args.prefix + args.suffix + args.max_tokens + 16, ssm_backend=backend,
+               enable_prefix_caching=caching == "on", mamba_cache_mode=mode,
+               num_mamba_cache_slots=4 * args.requests if mode != "none" else None)
 
 
 def main() -> None:
@@ -108,30 +99,52 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
     parser.add_argument("--backends", nargs="+", default=["baseline", "replay"])
-    parser.add_argument("--repeats", type=int, default=3, help="waves per configuration; medians are reported")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds of waves; medians are reported")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     model_dir = make_tiny(tempfile.mkdtemp(), seed=0, layers=LAYERS[args.size], **SIZES[args.size])
-    measure(model_dir, args, args.backends[0], "off", "none", True)  # warms the process up; not reported
+    configs = [(backend, caching, mode) for backend in args.backends for caching, mode in CONFIGS]
+    engines = {c: make_llm(model_dir, args, *c) for c in configs}
+    vocab = next(iter(engines.values())).config.model.vocab_size
+    for llm in engines.values():  # compiles kernels, and serves the system prompt once
+        run_wave(llm, prompts(1, args.prefix, args.suffix, True, vocab, seed=1), 2)
     records = []
     for shared in (True, False):
-        for backend in args.backends:
-            for caching, mode in CONFIGS:
-                records.append(measure(model_dir, args, backend, caching, mode, shared))
-                print(f"done {backend} caching={caching} mode={mode} shared={shared}", file=sys.stderr, flush=True)
+        samples: dict[tuple, list[tuple[float, float]]] = {c: [] for c in configs}
+        outputs: dict[tuple, list[list[int]]] = {c: [] for c in configs}
+        before = {c: engines[c].get_metrics() for c in configs}
+        # Rounds of one wave per configuration, in a rotating order, so that drift of the machine
+        # falls on every configuration alike; each round's prompts are the same for all of them.
+        for rep in range(args.repeats):
+            wave = prompts(args.requests, args.prefix, args.suffix, shared, vocab, seed=2 + rep)
+            for c in configs[rep % len(configs):] + configs[: rep % len(configs)]:
+                ttft, wall, outs = run_wave(engines[c], wave, args.max_tokens)
+                samples[c].append((statistics.mean(ttft), wall))
+                outputs[c] += outs
+        for c in configs:
+            m, m0 = engines[c].get_metrics(), before[c]
+            queries = m["prefix_cache_queries"] - m0["prefix_cache_queries"]
+            hits = m["prefix_cache_hits"] - m0["prefix_cache_hits"]
+            walls = [w for _, w in samples[c]]
+            records.append({"backend": c[0], "caching": c[1], "mode": c[2], "shared": shared,
+                            "ttft_mean_ms": 1e3 * statistics.median(t for t, _ in samples[c]),
+                            "tok_s": args.requests * args.max_tokens / statistics.median(walls), "walls": walls,
+                            "hit_rate": hits / queries if queries else 0.0, "outputs": outputs[c]})
+        print(f"done shared={shared}", file=sys.stderr, flush=True)
     print(f"\n{args.requests} requests x ({args.prefix} shared + {args.suffix}) tokens, {args.max_tokens} generated; "
-          f"model {args.size}, {args.dtype} on {args.device}, block {args.block_size}")
-    print("| prefix | backend | caching | mamba_cache_mode | hit rate | TTFT mean (ms) | tok/s | tok/s vs off | "
-          "same tokens |")
-    print("|---|---|---|---|---:|---:|---:|---:|---|")
+          f"model {args.size}, {args.dtype} on {args.device}, block {args.block_size}; "
+          f"medians of {args.repeats} rounds")
+    print("| prefix | backend | caching | mamba_cache_mode | hit rate | TTFT (ms) | tok/s | tok/s vs off | "
+          "vs none (paired) | same tokens |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---|")
     for r in records:
-        base = next(b for b in records
-                    if (b["backend"], b["shared"], b["caching"]) == (r["backend"], r["shared"], "off"))
+        base, none = twin(records, r, "off", "none"), twin(records, r, "on", "none")
+        paired = statistics.median(n / w for n, w in zip(none["walls"], r["walls"], strict=True))
         same = r["outputs"] == base["outputs"]
         print(f"| {'shared' if r['shared'] else 'unique'} | {r['backend']} | {r['caching']} | {r['mode']} | "
               f"{r['hit_rate']:.0%} | {r['ttft_mean_ms']:.1f} | {r['tok_s']:.0f} | "
-              f"{r['tok_s'] / base['tok_s']:.2f}x | {'yes' if same else 'NO'} |")
+              f"{r['tok_s'] / base['tok_s']:.2f}x | {paired:.3f}x | {'yes' if same else 'NO'} |")
     if args.out:
         args.out.write_text(json.dumps([{k: v for k, v in r.items() if k != "outputs"} for r in records], indent=2))
 
