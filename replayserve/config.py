@@ -198,12 +198,14 @@ SPEC_METHODS = ("ngram", "draft", "mtp", "custom")
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding: `method` proposes up to `num_speculative_tokens` (k) drafts per decode
-    row, verified in one step of 1 + k tokens. "custom" takes a `Proposer` object (tests)."""
+    row, verified in one step of 1 + k tokens. "ngram": prompt lookup; "draft": a smaller model
+    (`model`); "custom": a `Proposer` object (tests)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 1  # ngram: shortest suffix to match
     prompt_lookup_max: int = 3  # ngram: longest suffix to match
+    model: str | None = None  # draft: the draft checkpoint's directory (same vocabulary)
     proposer: Any = None  # custom: a replayserve.spec.proposers.Proposer
 
     def __post_init__(self) -> None:
@@ -212,8 +214,10 @@ class SpeculativeConfig:
 
         if self.method not in SPEC_METHODS:
             fail("method", f"{self.method!r} is not one of {SPEC_METHODS}")
-        if self.method in ("draft", "mtp"):
-            fail("method", f"{self.method!r} proposers are not implemented yet; use 'ngram'")
+        if self.method == "mtp":
+            fail("method", "'mtp' (Nemotron-H MTP layers) is not implemented yet; use 'ngram' or 'draft'")
+        if self.method == "draft" and not self.model:
+            fail("model", "method 'draft' needs the draft checkpoint's directory")
         if self.method == "custom" and self.proposer is None:
             fail("proposer", "method 'custom' needs a Proposer object")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:

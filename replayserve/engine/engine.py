@@ -30,7 +30,7 @@ class Engine:
         )
         spec = config.speculative
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.cache,
-                                   config.mamba_cache_mode, make_proposer(spec),
+                                   config.mamba_cache_mode, make_proposer(config),
                                    spec.num_speculative_tokens if spec else 0, config.resolved_max_model_len)
         self.spec_metrics = SpecMetrics()
         self.runner = Runner(config, model)

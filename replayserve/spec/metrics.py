@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from replayserve.config import SpeculativeConfig
+from replayserve.config import EngineConfig
 from replayserve.spec.proposers import NgramProposer, Proposer
 
 
@@ -34,11 +34,17 @@ class SpecMetrics:
                 "spec_accepted_per_position": list(self.accepted_per_position)}
 
 
-def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
+def make_proposer(engine: EngineConfig) -> Proposer | None:
+    config = engine.speculative
     if config is None:
         return None
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "draft":
+        from replayserve.spec.draft import DraftModelProposer
+
+        assert config.model is not None
+        return DraftModelProposer(config.model, engine)
     if config.method == "custom":
         return config.proposer
     raise ValueError(f"speculative method {config.method!r} has no proposer")  # rejected by the config

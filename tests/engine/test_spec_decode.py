@@ -12,6 +12,7 @@ import torch
 from replayserve import LLM, SamplingParams
 from replayserve.config import ConfigError
 from replayserve.spec.proposers import OracleProposer
+from replayserve.tiny import make_tiny
 from tests.conftest import assert_pools_full
 from tests.engine.test_prefix_cache import BS, _llm, _workload, check_boundary_states
 
@@ -133,6 +134,7 @@ def test_replay_memory_does_not_grow_with_k_and_baseline_does(tiny_model_dir: Pa
 
 @pytest.mark.parametrize(("spec", "option"), [
     ({"method": "mtp", "num_speculative_tokens": 2}, "method"),
+    ({"method": "draft", "num_speculative_tokens": 2}, "model"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown keys"),
     ({"method": "custom", "num_speculative_tokens": 2}, "proposer"),
@@ -169,3 +171,32 @@ def test_spec_on_cuda_matches_spec_off(tiny_model_dir: Path, backend: str) -> No
         for la, lb in zip(a.logprobs[:n], b.logprobs[:n], strict=True):
             assert abs(next(iter(la.values())) - next(iter(lb.values()))) < 2e-3
     assert_pools_full(llm)
+
+
+@pytest.fixture(scope="module")
+def other_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A second tiny Nemotron-H (other weights, same vocabulary): an imperfect draft model."""
+    return make_tiny(tmp_path_factory.mktemp("draft"), seed=1, layers="M*-")
+
+
+@pytest.mark.parametrize(("backend", "mode"), [("baseline", None), ("replay", "all"), ("replay", "align")])
+def test_draft_model_proposer_is_lossless(tiny_model_dir: Path, other_model_dir: Path, greedy_paths: dict,
+                                          backend: str, mode: str | None) -> None:
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    rates = {}
+    for name, draft in (("self", tiny_model_dir), ("other", other_model_dir)):
+        llm = LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", max_num_seqs=4, ssm_backend=backend,
+                  replay_window=8, enable_prefix_caching=mode is not None, mamba_cache_mode=mode or "none",
+                  speculative={"method": "draft", "num_speculative_tokens": 3, "model": str(draft)})
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outs] == list(greedy_paths.values())
+        rates[name] = llm.get_metrics()["spec_acceptance_rate"]
+        assert_pools_full(llm)
+    assert rates["self"] == 1.0 and rates["other"] < 1.0  # the target as its own draft is always right
+
+
+def test_draft_model_with_another_vocabulary_is_rejected(tiny_model_dir: Path, tmp_path: Path) -> None:
+    draft = make_tiny(tmp_path / "v", seed=1, layers="M*", vocab_size=300)
+    with pytest.raises(ConfigError, match="vocab_size"):
+        LLM(model=str(tiny_model_dir), dtype="float64", device="cpu",
+            speculative={"method": "draft", "num_speculative_tokens": 2, "model": str(draft)})

@@ -1,0 +1,40 @@
+"""A draft model as proposer: any checkpoint this engine loads (e.g. a smaller Nemotron-H)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from replayserve.config import ConfigError, EngineConfig, ModelConfig
+from replayserve.engine.request import SamplingParams
+from replayserve.spec.proposers import Proposer
+
+
+class DraftModelProposer(Proposer):
+    """Greedy drafts from a second model in an engine of its own.
+
+    Each call runs the request's known tokens through the draft engine, which caches prefixes
+    (`mamba_cache_mode="all"`), so only the tokens after its last cached boundary are prefilled
+    before k decode steps. The draft's state therefore never rolls back: a rejection only means
+    the next call starts from an earlier cached boundary. Drafts do not affect the output, which
+    verification keeps lossless.
+    """
+
+    def __init__(self, model_dir: str, target: EngineConfig) -> None:
+        from replayserve.llm import LLM  # the engine builds its proposer: import at use
+
+        draft_cfg = ModelConfig.from_dir(model_dir)
+        if draft_cfg.vocab_size != target.model.vocab_size:
+            raise ConfigError(f"speculative option model: the draft's vocab_size {draft_cfg.vocab_size} differs "
+                              f"from the target's {target.model.vocab_size}")
+        self.max_model_len = target.resolved_max_model_len
+        self.llm = LLM(model_dir, dtype=target.dtype, device=target.device, max_num_seqs=1,
+                       max_model_len=self.max_model_len, block_size=target.block_size,
+                       max_num_batched_tokens=max(target.max_num_batched_tokens, self.max_model_len),
+                       enable_prefix_caching=True, mamba_cache_mode="all")
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        k = min(k, self.max_model_len - len(token_ids) - 1)
+        if k <= 0:
+            return []
+        params = SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True)
+        return self.llm.generate([{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False)[0].token_ids[:k]
