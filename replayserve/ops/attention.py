@@ -41,6 +41,7 @@ def paged_attention_ref(
     query_start_loc: Tensor,
     seq_lens: Tensor,
     scale: float,
+    batch_decodes: bool | None = None,
 ) -> Tensor:
     """Causal GQA attention of a flattened batch of sequences against a paged KV cache.
 
@@ -58,6 +59,8 @@ def paged_attention_ref(
             q_len query rows are positions seq_len - q_len .. seq_len - 1 and each
             attends to cache positions 0 .. its own position.
         scale: multiplier applied to q.k scores.
+        batch_decodes: attend all one-query sequences in one padded batch (None: on CUDA, where a
+            per-sequence loop costs a launch per op; on CPU the loop is faster).
 
     Returns:
         (T, Hq, Dh) in q.dtype; scores, softmax and the weighted sum of V are in
@@ -75,10 +78,15 @@ def paged_attention_ref(
     if len(starts) != len(lens) + 1:
         raise ValueError("query_start_loc must have one more entry than seq_lens")
     out = torch.zeros_like(q)
+    if batch_decodes is None:
+        batch_decodes = q.is_cuda
+    single = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1] if batch_decodes else []
+    if single:  # decode rows, one query each: one batched gather instead of a loop
+        _attend_single_queries(q, k_cache, v_cache, block_tables, starts, lens, single, scale, out)
     for s, seq_len in enumerate(lens):
         q_start, q_end = starts[s], starts[s + 1]
         q_len = q_end - q_start
-        if q_len == 0:
+        if q_len == 0 or (q_len == 1 and batch_decodes):
             continue
         if q_len > seq_len:
             raise ValueError(f"sequence {s}: {q_len} query tokens but seq_len {seq_len}")
@@ -97,3 +105,31 @@ def paged_attention_ref(
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out
+
+
+def _attend_single_queries(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, starts: list[int],
+                           lens: list[int], rows: list[int], scale: float, out: Tensor) -> None:
+    """``paged_attention_ref`` for the sequences `rows`, which have one query token each, padded to
+    the longest context and masked; writes their rows of `out`."""
+    group = q.shape[1] // k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    cdt = compute_dtype(q.dtype)
+    index = torch.tensor(rows, device=q.device)
+    seq_lens = torch.tensor([lens[s] for s in rows], device=q.device)
+    pos = torch.arange(int(seq_lens.max()), device=q.device)
+    blocks = block_tables[index].long()[:, pos // block_size]  # (n, L)
+    valid = pos[None, :] < seq_lens[:, None]
+    if bool((blocks[valid] < 0).any()):
+        raise ValueError("a decode row's block table is too short for its seq_len")
+    blocks = blocks.clamp(min=0)
+    n, hkv, dh = len(rows), k_cache.shape[2], k_cache.shape[3]
+    # (n, Hkv, L, Dh) with the query heads of a KV head grouped: matmuls, no head repeat.
+    k = k_cache[blocks, pos % block_size].to(cdt).permute(0, 2, 1, 3)
+    v = v_cache[blocks, pos % block_size].to(cdt).permute(0, 2, 1, 3)
+    v = v.masked_fill(~valid[:, None, :, None], 0.0)  # padding may hold anything, even NaN: 0 * NaN = NaN
+    q_rows = torch.tensor([starts[s] for s in rows], device=q.device)
+    qg = q[q_rows].to(cdt).view(n, hkv, group, dh)
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # (n, Hkv, group, L)
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    att = torch.matmul(torch.softmax(scores, dim=-1), v)  # (n, Hkv, group, Dh)
+    out[q_rows] = att.reshape(n, hkv * group, dh).to(q.dtype)

@@ -86,7 +86,8 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_paged_attention_matches_dense(index_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("batch_decodes", [False, True], ids=["loop", "batched-decodes"])
+def test_paged_attention_matches_dense(index_dtype: torch.dtype, batch_decodes: bool) -> None:
     gen = torch.Generator().manual_seed(1 if index_dtype == torch.int32 else 2)
     batch = build_batch(gen, index_dtype)
     k, v, slots = flat_writes(gen, batch)
@@ -100,7 +101,8 @@ def test_paged_attention_matches_dense(index_dtype: torch.dtype) -> None:
     query_start_loc = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=index_dtype)
     seq_lens = torch.tensor([L for L, _ in SEQS], dtype=index_dtype)
     scale = DH**-0.5
-    out = paged_attention_ref(q, k_cache, v_cache, batch["tables"], query_start_loc, seq_lens, scale)
+    out = paged_attention_ref(q, k_cache, v_cache, batch["tables"], query_start_loc, seq_lens, scale,
+                              batch_decodes=batch_decodes)
     assert out.shape == q.shape and out.dtype == F64
     expected = torch.cat(
         [dense_attention(batch["q"][s], batch["k"][s], batch["v"][s], scale) for s in range(len(SEQS))]
