@@ -227,6 +227,12 @@ class CacheManager:
                 self.metrics.published_states += self.states.publish(w.slot, h, key)
             self.states.release([w.slot])
 
+    def drop_writes(self, writes: tuple[BoundaryWrite, ...]) -> None:
+        """Frees the slots of planned boundary writes without publishing them."""
+        if writes:
+            assert self.states is not None
+            self.states.release([w.slot for w in writes])
+
     def check(self) -> None:
         """Raises AssertionError unless the pools agree with the requests' holdings."""
         self.kv.check()

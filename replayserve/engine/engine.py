@@ -92,9 +92,13 @@ class Engine:
         if not plan.seqs:
             raise RuntimeError("the scheduler planned an empty step with requests pending")
         sampling = [self.scheduler.unfinished[s.request_id] for s in plan.seqs if s.sample]
-        results = self.runner.execute(
-            plan, [r.params for r in sampling], [self._generators.get(r.request_id) for r in sampling]
-        )
+        try:
+            results = self.runner.execute(
+                plan, [r.params for r in sampling], [self._generators.get(r.request_id) for r in sampling]
+            )
+        except BaseException:
+            self.scheduler.abandon(plan)  # nothing half-written is kept or published
+            raise
         stopped: list[tuple[Request, str]] = []
         for request, result in zip(sampling, results, strict=True):
             for i, token in enumerate(result.tokens):  # a verify emits several; a stop cuts them

@@ -202,6 +202,17 @@ class Scheduler:
             self.cache.publish(request, seq.boundary_writes)
         self.cache.release_copy_sources([src for src, _ in plan.state_copies])
 
+    def abandon(self, plan: StepPlan) -> None:
+        """A step that raised part-way: its requests' states may be half-written, so they are
+        preempted (recomputed from scratch when readmitted), and the slots the plan took for
+        copies and boundary writes go back unpublished."""
+        for seq in plan.seqs:
+            request = self.unfinished.get(seq.request_id)
+            if request is not None and request.status is Status.RUNNING:
+                self._preempt(request)
+        self.cache.release_copy_sources([src for src, _ in plan.state_copies])
+        self.cache.drop_writes(tuple(w for seq in plan.seqs for w in seq.boundary_writes))
+
     def finish(self, request: Request, reason: str) -> None:
         if request.status is Status.RUNNING:
             self._release(request)

@@ -195,3 +195,40 @@ def check_boundary_states(llm: LLM, model_dir: Path, cache: dict | None = None) 
             torch.testing.assert_close(ssm.ssm_state[layer][slot], state, rtol=1e-9, atol=1e-12)
         checked += 1
     return checked
+
+
+@pytest.mark.parametrize("backend", ["baseline", "replay"])
+def test_a_step_that_raises_loses_nothing_and_serving_continues(tiny_model_dir: Path, reference: list,
+                                                                 backend: str) -> None:
+    """An exception in the middle of the forward (after the first Mamba layer wrote its state) of
+    steps that planned hit copies and boundary writes: the step's requests are recomputed, its
+    slots freed unpublished, and the outputs stay exact."""
+    llm = _llm(tiny_model_dir, backend, "all")
+    engine, failures = llm.engine, []
+    last = engine.runner.model.backbone.layers[-1].mixer
+    real_forward, real_schedule, real_step = last.forward, engine.scheduler.schedule, engine.step
+    armed = {"on": False}
+
+    def schedule():  # noqa: ANN202 - arm the failure for the first plans that copy and publish states
+        plan = real_schedule()
+        armed["on"] = len(failures) < 3 and bool(plan.state_copies or any(s.boundary_writes for s in plan.seqs))
+        return plan
+
+    def failing_layer(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if armed["on"]:
+            raise RuntimeError("injected failure")
+        return real_forward(*args, **kwargs)
+
+    def tolerant_step():  # noqa: ANN202 - the workload keeps stepping after a failed step
+        try:
+            return real_step()
+        except RuntimeError:
+            failures.append(1)
+            engine.cache.check()
+            return []
+
+    engine.scheduler.schedule, last.forward, engine.step = schedule, failing_layer, tolerant_step
+    assert _workload(engine) == reference
+    assert len(failures) == 3
+    check_boundary_states(llm, tiny_model_dir)
+    assert_pools_full(llm)
