@@ -8,6 +8,7 @@ are rotated across several copies so the state does not sit in L2. Each variant 
 against our float64 reference on a small batch.
 
     python benchmarks/bench_ssm_decode.py [--batch 1 8 32 128 256 512] [--window 16] [--out r.json]
+        [--candidate scratch/variant.py ...]   # kernels under development, checked then timed alongside
 """
 
 from __future__ import annotations
@@ -152,7 +153,8 @@ def replay_pool(batch: int, window: int, gen: torch.Generator) -> dict[str, torc
     return pool
 
 
-def replay_steps(batch: int, window: int, gen: torch.Generator, layers: int = 1) -> list[Step]:
+def replay_steps(batch: int, window: int, gen: torch.Generator, layers: int = 1,
+                 kernels: types.ModuleType = rtk) -> list[Step]:
     """W steps on each rotated pool (a whole flush cycle of every slot), each step one prepare, the
     step of ``layers`` Mamba layers sharing the cursors, and one commit; one list entry per layer step."""
     sets = max(1, math.ceil(ROTATE_BYTES / (batch * layers * STATE_BYTES)))
@@ -166,11 +168,11 @@ def replay_steps(batch: int, window: int, gen: torch.Generator, layers: int = 1)
 
     def step(stack: list[dict[str, torch.Tensor]]) -> None:
         cursors = tuple(stack[0][k] for k in ("ring_start", "history", "is_flush", "slots"))
-        rtk.replay_prepare_triton(*cursors, ones, fresh, window)
+        kernels.replay_prepare_triton(*cursors, ones, fresh, window)
         for q in stack:
-            rtk.replay_step_triton(q["state"], q["x_ring"], q["dt_ring"], q["B_ring"], *cursors, ones,
-                                   inp["x"], inp["dt"], p["A"], inp["B"], inp["C"], p["D"], p["dt_bias"])
-        rtk.replay_commit_triton(*cursors, ones, window + 1)
+            kernels.replay_step_triton(q["state"], q["x_ring"], q["dt_ring"], q["B_ring"], *cursors, ones,
+                                       inp["x"], inp["dt"], p["A"], inp["B"], inp["C"], p["D"], p["dt_bias"])
+        kernels.replay_commit_triton(*cursors, ones, window + 1)
 
     noop: Step = lambda: None  # noqa: E731 - pads the cycle so that its length counts layer steps
     return [f for _ in range(window) for stack in pools for f in [lambda st=stack: step(st)] + [noop] * (layers - 1)]
@@ -190,7 +192,7 @@ def check_ssu(fn: Callable[..., torch.Tensor], mamba: bool, gen: torch.Generator
                ((state.double() - ref_state).abs().max() / ref_state.abs().max()).item())
 
 
-def check_replay(window: int, gen: torch.Generator) -> float:
+def check_replay(window: int, gen: torch.Generator, kernels: types.ModuleType = rtk) -> float:
     """Max relative error of outputs and checkpoints over 2W + 3 steps at batch 4 against the float64 refs."""
     pool = replay_pool(4, window, gen)
     mirror = {k: (v.double() if v.is_floating_point() else v.clone()) for k, v in pool.items()}
@@ -202,12 +204,13 @@ def check_replay(window: int, gen: torch.Generator) -> float:
     for _ in range(2 * window + 3):
         inp = inputs(4, 1, gen)
         ours, ref = [pool[k] for k in names], [mirror[k] for k in names]
-        rtk.replay_prepare_triton(*ours[4:], ones, fresh, window)
+        kernels.replay_prepare_triton(*ours[4:], ones, fresh, window)
         rref.replay_prepare_ref(*ref[4:], ones, fresh, window)
-        y = rtk.replay_step_triton(*ours, ones, inp["x"], inp["dt"], p["A"], inp["B"], inp["C"], p["D"], p["dt_bias"])
+        y = kernels.replay_step_triton(*ours, ones, inp["x"], inp["dt"], p["A"], inp["B"], inp["C"], p["D"],
+                                       p["dt_bias"])
         y_ref = rref.replay_step_ref(*ref, ones, *(inp[k].double() for k in ("x", "dt")), p["A"].double(),
                                      inp["B"].double(), inp["C"].double(), p["D"].double(), p["dt_bias"].double())
-        rtk.replay_commit_triton(*ours[4:], ones, window + 1)
+        kernels.replay_commit_triton(*ours[4:], ones, window + 1)
         rref.replay_commit_ref(*ref[4:], ones, window + 1)
         if not all(torch.equal(pool[k], mirror[k]) for k in names[4:]):
             return math.inf
@@ -217,7 +220,8 @@ def check_replay(window: int, gen: torch.Generator) -> float:
 
 
 def measure(batch: int, window: int, layers: int, graph: bool, mamba: Callable[..., torch.Tensor] | None,
-            copy_gbs: float, gen: torch.Generator) -> list[dict[str, float | int | str]]:
+            copy_gbs: float, gen: torch.Generator,
+            candidates: dict[str, types.ModuleType] | None = None) -> list[dict[str, float | int | str]]:
     replay = f"replay W={window}" + (f" ({layers} layers)" if layers > 1 else "")
     entry = H * P * 2 + G * N * 2 + H * 4  # one ring entry: x, B (bf16) and delta (fp32)
     mean_history = (window + 1) / 2  # T = 1 steady state: history cycles through 1..W
@@ -227,6 +231,9 @@ def measure(batch: int, window: int, layers: int, graph: bool, mamba: Callable[.
                                        replay: replay_steps(batch, window, gen, layers)}
     if mamba is not None:
         variants["mamba-ssm"] = ssu_steps(batch, mamba, True, gen)
+    for name, module in (candidates or {}).items():  # kernels under development, same bytes as replay
+        variants[name] = replay_steps(batch, window, gen, layers, module)
+        model[name] = model[replay]
     records = []
     for name, cycle in variants.items():
         us = time_cycle(cycle, graph)
@@ -264,6 +271,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=1,
                         help="replay: Mamba layers sharing one prepare + commit per step (times are per layer)")
     parser.add_argument("--sweep", type=int, metavar="BATCH", help="also time launch configs at this batch")
+    parser.add_argument("--candidate", type=Path, nargs="+", default=[],
+                        help="Python files with the replay_*_triton API: timed beside the committed kernels")
     parser.add_argument("--out", type=Path, help="write the records as JSON here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -274,6 +283,15 @@ def main() -> None:
               f"replay W={args.window}": check_replay(args.window, gen)}
     if mamba is not None:
         checks["mamba-ssm"] = check_ssu(mamba, True, gen)
+    candidates = {}
+    for path in args.candidate:
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[path.stem] = module
+        spec.loader.exec_module(module)
+        candidates[f"candidate {path.stem}"] = module
+        checks[f"candidate {path.stem}"] = check_replay(args.window, gen, module)
     for name, err in checks.items():
         print(f"check {name}: max relative error {err:.2e} against the float64 reference")
         if not err < 2e-2:
@@ -281,7 +299,7 @@ def main() -> None:
     copy_gbs = copy_bandwidth()
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write); {torch.cuda.get_device_name()}")
     records = [r for batch in args.batch for r in measure(batch, args.window, args.layers, args.graph, mamba,
-                                                                copy_gbs, gen)]
+                                                                copy_gbs, gen, candidates)]
     mode = "CUDA graph" if args.graph else "eager"
     print(f"\n| batch | variant | us/step ({mode}) | MB/step (model) | GB/s | of copy BW | vs ours | vs mamba-ssm |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
