@@ -33,13 +33,15 @@ _IGNORED_HF_KEYS = frozenset(
         "residual_in_fp32", "hidden_dropout", "attention_dropout", "use_mamba_kernels", "time_step_max",
         "time_step_floor", "time_step_limit", "mamba_proj_bias", "output_router_logits",
         "moe_shared_expert_overlap", "n_shared_experts", "num_hidden_layers", "expand",
-        "mamba_ssm_cache_dtype", "attention_bias", "mtp_layers_block_type", "num_nextn_predict_layers",
+        "mamba_ssm_cache_dtype", "attention_bias",
         "tie_encoder_decoder", "is_encoder_decoder", "return_dict", "output_hidden_states",
         "output_attentions", "chunk_size_feed_forward", "id2label", "label2id", "problem_type",
         "tokenizer_class", "prefix", "sep_token_id", "decoder_start_token_id", "task_specific_params",
         "finetuning_task", "add_cross_attention", "pruned_heads", "torchscript",
     }
 )
+# MTP layer types as transformers spells them, mapped to ours.
+_MTP_ALIASES = {"attention": "full_attention"}
 # Legacy spellings accepted by transformers, mapped to the current key.
 _LEGACY_HF_KEYS = {
     "mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_dt_min": "time_step_min",
@@ -91,6 +93,9 @@ class ModelConfig:
     pad_token_id: int | None = 0
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)
+    # Multi-token prediction (Nemotron-H MTP): one block stack of these types after the backbone.
+    num_nextn_predict_layers: int = 0
+    mtp_layer_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         bad = [t for t in self.layer_types if t not in LAYER_TYPES]
@@ -110,6 +115,11 @@ class ModelConfig:
             (self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok",
              f"{self.num_experts_per_tok} > n_routed_experts={self.n_routed_experts}"),
             (self.conv_kernel >= 2, "conv_kernel", f"{self.conv_kernel}; must be >= 2"),
+            (self.num_nextn_predict_layers in (0, 1), "num_nextn_predict_layers",
+             f"{self.num_nextn_predict_layers}; one MTP step (1) or none (0)"),
+            (not self.num_nextn_predict_layers
+             or (self.mtp_layer_types and set(self.mtp_layer_types) <= {ATTENTION, MOE, MLP}),
+             "mtp_layers_block_type", f"{list(self.mtp_layer_types)}; attention, moe or mlp layers, at least one"),
         ]
         for ok, option, why in checks:
             if not ok:
@@ -137,8 +147,12 @@ class ModelConfig:
         hf = {_LEGACY_HF_KEYS.get(k, k): v for k, v in raw.items() if k not in _IGNORED_HF_KEYS}
         if raw.get("model_type", "nemotron_h") != "nemotron_h":
             raise ConfigError(f"model_type {raw['model_type']!r} is not supported; only 'nemotron_h'")
-        if raw.get("num_nextn_predict_layers", 0):
-            raise ConfigError("num_nextn_predict_layers > 0 (MTP layers) is not supported yet")
+        mtp_types = hf.pop("mtp_layers_block_type", None)
+        mtp_pattern = hf.pop("mtp_hybrid_override_pattern", None)
+        if hf.get("num_nextn_predict_layers", 0):
+            if mtp_types is None and mtp_pattern is not None:
+                mtp_types = [PATTERN_CHARS.get(c, c) for c in mtp_pattern]
+            hf["mtp_layer_types"] = tuple(_MTP_ALIASES.get(t, t) for t in (mtp_types or ()))
         pattern = hf.pop("hybrid_override_pattern", None)
         layers = hf.pop("layers_block_type", None) or hf.pop("layer_types", None)
         if layers is None and pattern is not None:
@@ -178,6 +192,9 @@ class ModelConfig:
             value = getattr(self, name)
             if name == "layer_types":
                 out["layers_block_type"] = list(value)
+            elif name == "mtp_layer_types":
+                if value:
+                    out["mtp_layers_block_type"] = list(value)
             elif name == "eos_token_ids":
                 out["eos_token_id"] = value[0] if len(value) == 1 else list(value)
             else:
@@ -199,7 +216,7 @@ SPEC_METHODS = ("ngram", "draft", "mtp", "custom")
 class SpeculativeConfig:
     """Speculative decoding: `method` proposes up to `num_speculative_tokens` (k) drafts per decode
     row, verified in one step of 1 + k tokens. "ngram": prompt lookup; "draft": a smaller model
-    (`model`); "custom": a `Proposer` object (tests)."""
+    (`model`); "mtp": the checkpoint's MTP layers; "custom": a `Proposer` object (tests)."""
 
     method: str
     num_speculative_tokens: int
@@ -214,8 +231,6 @@ class SpeculativeConfig:
 
         if self.method not in SPEC_METHODS:
             fail("method", f"{self.method!r} is not one of {SPEC_METHODS}")
-        if self.method == "mtp":
-            fail("method", "'mtp' (Nemotron-H MTP layers) is not implemented yet; use 'ngram' or 'draft'")
         if self.method == "draft" and not self.model:
             fail("model", "method 'draft' needs the draft checkpoint's directory")
         if self.method == "custom" and self.proposer is None:
@@ -280,6 +295,9 @@ class EngineConfig:
             if self.dtype == "float64" and self.device.startswith("cuda"):
                 fail("dtype", "float64 with ssm_backend='replay' runs only on the CPU reference ops; "
                      "use float32, bfloat16 or float16 on CUDA")
+        if (self.speculative is not None and self.speculative.method == "mtp"
+                and not self.model.num_nextn_predict_layers):
+            fail("speculative", "method 'mtp' needs a checkpoint with MTP layers (num_nextn_predict_layers = 1)")
         for option in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, option) < 1:
                 fail(option, f"must be >= 1, got {getattr(self, option)}")

@@ -29,11 +29,11 @@ class Engine:
             has_mamba=config.model.num_mamba_layers > 0, state_block=config.resolved_mamba_block_size,
         )
         spec = config.speculative
+        self.runner = Runner(config, model)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.cache,
-                                   config.mamba_cache_mode, make_proposer(config),
+                                   config.mamba_cache_mode, make_proposer(config, self.runner),
                                    spec.num_speculative_tokens if spec else 0, config.resolved_max_model_len)
         self.spec_metrics = SpecMetrics()
-        self.runner = Runner(config, model)
         self._ids = itertools.count()
         self._generators: dict[str, torch.Generator] = {}
         self.num_generated_tokens = 0
@@ -139,6 +139,8 @@ class Engine:
 
     def _finish(self, request: Request, reason: str) -> None:
         self.scheduler.finish(request, reason)
+        if self.runner.hidden_store is not None:
+            self.runner.hidden_store.forget(request.request_id)
         self._generators.pop(request.request_id, None)
         truncated_by_stop_string = reason == "stop" and request.text
         if self.tokenizer is not None and not truncated_by_stop_string:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from replayserve.ssm.backend import SSMBackend
 from replayserve.ssm.baseline import BaselineBackend
 from replayserve.ssm.layout import MambaLayout
 from replayserve.ssm.replay import ReplayBackend
+
+if TYPE_CHECKING:
+    from replayserve.spec.mtp import HiddenStore
 
 
 def make_ssm_backend(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> SSMBackend:
@@ -44,6 +48,7 @@ class Runner:
             for _ in range(m.num_attention_layers)
         ]
         self.ssm = make_ssm_backend(config, self.dtype, self.device)
+        self.hidden_store: HiddenStore | None = None  # set by the MTP proposer: it reads final hidden states
 
     def build_context(self, plan: StepPlan) -> tuple[torch.Tensor, StepContext]:
         bs = self.config.block_size
@@ -107,6 +112,8 @@ class Runner:
         if picks:
             logits = self.model.compute_logits(hidden[self._ids([i for r in picks for i in r])])
             results = self._sample(plan, picks, logits, params, generators)
+        if self.hidden_store is not None:
+            self._record_hidden(plan, hidden, results)
         if ctx.num_decodes:
             # After sampling, once for all Mamba layers: the tokens each decode row keeps.
             kept = [len(r.tokens) for r in results[: ctx.num_decodes]]
@@ -131,6 +138,20 @@ class Runner:
                 results[i] = sample_verify(logits[offsets[i] : offsets[i + 1]], seq.token_ids[1:], params[i],
                                            generators[i])
         return [r for r in results if r is not None]
+
+    def _record_hidden(self, plan: StepPlan, hidden: torch.Tensor, results: list[SampleResult]) -> None:
+        """Final hidden states of the positions this step computed for good (a verify row: the
+        tokens it kept), for the MTP proposer."""
+        assert self.hidden_store is not None
+        kept = iter(results)
+        offset = 0
+        for seq in plan.seqs:
+            n = len(seq.token_ids)
+            valid = len(next(kept).tokens) if seq.sample and seq.num_drafts else n
+            if seq.sample and not seq.num_drafts:
+                next(kept)
+            self.hidden_store.record(seq.request_id, seq.start_pos, hidden[offset : offset + valid])
+            offset += n
 
     def _ids(self, values: tuple[int, ...] | list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)

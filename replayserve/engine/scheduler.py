@@ -123,7 +123,7 @@ class Scheduler:
             room = min(room, self.max_model_len - request.num_tokens - 1)
         if room <= 0:
             return ()
-        return tuple(self.proposer.propose(request.all_token_ids, room))[:room]
+        return tuple(self.proposer.propose_request(request.request_id, request.all_token_ids, room))[:room]
 
     def _chunk(self, request: Request, start: int, n: int) -> int:
         """Prefill tokens to run from ``start`` (at most n). In ``align`` mode a chunk ends on a

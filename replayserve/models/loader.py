@@ -16,8 +16,8 @@ from replayserve.models.nemotron_h import NemotronHForCausalLM
 _PREFIXES = (("model.", "backbone."),)
 # In-memory fused expert tensors (E, out, in), as transformers 5 holds them.
 _FUSED_EXPERTS = re.compile(r"(.*\.mixer\.experts)\.(up_proj|down_proj)$")
-# Multi-token-prediction layers are not used by this engine yet.
-_SKIPPED = re.compile(r"^mtp\.")
+# Multi-token-prediction layers: loaded when the config declares them, else skipped.
+_MTP = re.compile(r"^mtp\.")
 
 
 class CheckpointError(ValueError):
@@ -49,13 +49,14 @@ def _canonical_name(name: str) -> str:
     return name
 
 
-def iter_checkpoint(model_dir: Path):
-    """Yields (parameter name as this engine names it, tensor) for every stored tensor."""
+def iter_checkpoint(model_dir: Path, with_mtp: bool = False):
+    """Yields (parameter name as this engine names it, tensor) for every stored tensor (`mtp.*`
+    only when `with_mtp`)."""
     for path in checkpoint_files(model_dir):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for raw_name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    if _SKIPPED.match(raw_name):
+                    if not with_mtp and _MTP.match(raw_name):
                         continue
                     name, tensor = _canonical_name(raw_name), f.get_tensor(raw_name)
                     fused = _FUSED_EXPERTS.match(name)
@@ -85,7 +86,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
         expected.pop("lm_head.weight")
     seen: set[str] = set()
     unexpected = []
-    for name, tensor in iter_checkpoint(model_dir):
+    for name, tensor in iter_checkpoint(model_dir, with_mtp=cfg.num_nextn_predict_layers > 0):
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue  # tied: the embedding matrix is the output projection
         target = expected.get(name)

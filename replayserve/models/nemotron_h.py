@@ -12,6 +12,7 @@ from replayserve.layers.attention import Attention
 from replayserve.layers.mamba2 import Mamba2Mixer
 from replayserve.layers.mlp import MLP, MoE
 from replayserve.layers.norm import RMSNorm
+from replayserve.models.nemotron_h_mtp import NemotronHMTP
 from replayserve.ops.dtypes import compute_dtype
 from replayserve.ssm.backend import SSMBackend
 
@@ -54,6 +55,8 @@ class NemotronHForCausalLM(nn.Module):
         self.config = cfg
         self.backbone = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.num_nextn_predict_layers:
+            self.mtp = NemotronHMTP(cfg)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.backbone.embeddings.weight
 

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from replayserve.config import EngineConfig
 from replayserve.spec.proposers import NgramProposer, Proposer
+
+if TYPE_CHECKING:
+    from replayserve.engine.runner import Runner
 
 
 @dataclass
@@ -34,7 +38,9 @@ class SpecMetrics:
                 "spec_accepted_per_position": list(self.accepted_per_position)}
 
 
-def make_proposer(engine: EngineConfig) -> Proposer | None:
+def make_proposer(engine: EngineConfig, runner: Runner) -> Proposer | None:
+    """The proposer `engine.speculative` asks for; MTP drafts from the runner's model and the
+    hidden states it records."""
     config = engine.speculative
     if config is None:
         return None
@@ -45,6 +51,11 @@ def make_proposer(engine: EngineConfig) -> Proposer | None:
 
         assert config.model is not None
         return DraftModelProposer(config.model, engine)
+    if config.method == "mtp":
+        from replayserve.spec.mtp import HiddenStore, MTPProposer
+
+        runner.hidden_store = HiddenStore()
+        return MTPProposer(runner.model, runner.hidden_store)
     if config.method == "custom":
         return config.proposer
     raise ValueError(f"speculative method {config.method!r} has no proposer")  # rejected by the config

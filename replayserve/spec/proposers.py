@@ -20,6 +20,10 @@ class Proposer(ABC):
         Deterministic proposers: the draft distribution is one-hot on each proposed token.
         """
 
+    def propose_request(self, request_id: str, token_ids: Sequence[int], k: int) -> list[int]:
+        """As `propose`, for proposers that keep per-request inputs (MTP: hidden states)."""
+        return self.propose(token_ids, k)
+
 
 class NgramProposer(Proposer):
     """Prompt-lookup decoding: match the last n tokens (n from max_n down to min_n) against an earlier

@@ -133,7 +133,7 @@ def test_replay_memory_does_not_grow_with_k_and_baseline_does(tiny_model_dir: Pa
 
 
 @pytest.mark.parametrize(("spec", "option"), [
-    ({"method": "mtp", "num_speculative_tokens": 2}, "method"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
     ({"method": "draft", "num_speculative_tokens": 2}, "model"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown keys"),
@@ -200,3 +200,70 @@ def test_draft_model_with_another_vocabulary_is_rejected(tiny_model_dir: Path, t
     with pytest.raises(ConfigError, match="vocab_size"):
         LLM(model=str(tiny_model_dir), dtype="float64", device="cpu",
             speculative={"method": "draft", "num_speculative_tokens": 2, "model": str(draft)})
+
+
+@pytest.fixture(scope="module")
+def mtp_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Nemotron-H plus one MTP step of attention + MoE blocks (`mtp.layers.*`)."""
+    return make_tiny(tmp_path_factory.mktemp("mtp"), seed=0, layers="M*-ME", num_nextn_predict_layers=1,
+                     mtp_layer_types=("full_attention", "moe"))
+
+
+@pytest.mark.parametrize(("backend", "mode"), [("baseline", None), ("replay", None), ("replay", "all")])
+def test_mtp_proposer_is_lossless_and_reads_the_right_hidden_states(mtp_model_dir: Path, backend: str,
+                                                                    mode: str | None) -> None:
+    from replayserve.spec.mtp import HiddenStore
+
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    plain = LLM(model=str(mtp_model_dir), dtype="float64", device="cpu", max_num_seqs=4)
+    plain.engine.runner.hidden_store = reference = HiddenStore()  # records without proposing
+    reference.forget = lambda rid: None  # type: ignore[method-assign]  # keep them for the comparison
+    want = plain.generate(prompts, GREEDY, use_tqdm=False)
+    llm = LLM(model=str(mtp_model_dir), dtype="float64", device="cpu", max_num_seqs=4, ssm_backend=backend,
+              replay_window=8, enable_prefix_caching=mode is not None, mamba_cache_mode=mode or "none",
+              speculative={"method": "mtp", "num_speculative_tokens": 3})
+    store = llm.engine.runner.hidden_store
+    assert store is not None
+    seen: dict[str, torch.Tensor] = {}
+    forget = store.forget
+    store.forget = lambda rid: (seen.__setitem__(rid, store.runs[rid][1]), forget(rid))  # type: ignore[method-assign]
+    got = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert llm.get_metrics()["spec_num_draft_tokens"] > 0
+    # Verify rows record only their kept positions: every stored state equals spec-off's there.
+    for rid, run in seen.items():
+        n = min(run.shape[0], reference.runs[rid][1].shape[0])
+        assert n > len(_prompts()[int(rid)])
+        torch.testing.assert_close(run[:n], reference.runs[rid][1][:n], rtol=1e-9, atol=1e-9)
+    assert_pools_full(llm)
+
+
+def test_mtp_configuration_errors(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="MTP layers"):
+        LLM(model=str(tiny_model_dir), dtype="float64", device="cpu",
+            speculative={"method": "mtp", "num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match="num_nextn_predict_layers"):
+        make_tiny(tmp_path / "two", layers="M*", num_nextn_predict_layers=2, mtp_layer_types=("moe",))
+    with pytest.raises(ConfigError, match="mtp_layers_block_type"):
+        make_tiny(tmp_path / "mamba", layers="M*", num_nextn_predict_layers=1, mtp_layer_types=("linear_attention",))
+
+
+@pytest.mark.parametrize("mode", [None, "align", "all"])
+@pytest.mark.parametrize("backend", ["baseline", "replay"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "mtp"])
+def test_every_proposer_is_lossless_with_prefix_hits_and_small_pools(mtp_model_dir: Path, other_model_dir: Path,
+                                                                      method: str, backend: str,
+                                                                      mode: str | None) -> None:
+    """The prefix-cache workload (shared prompts, second turns, hits while decoding, chunked
+    prefills) on small pools (evictions, preemptions) with each real proposer, k = 3."""
+    small = {"num_kv_blocks": 24, "max_model_len": 96, "num_mamba_cache_slots": 2}
+    reference = _workload(_llm(mtp_model_dir, **small).engine)
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft":
+        spec["model"] = str(other_model_dir)
+    llm = _llm(mtp_model_dir, backend, mode, replay_window=8, speculative=spec, **small)
+    assert _workload(llm.engine) == reference
+    assert llm.get_metrics()["spec_num_draft_tokens"] > 0
+    if mode is not None:
+        check_boundary_states(llm, mtp_model_dir)
+    assert_pools_full(llm)

@@ -1,0 +1,69 @@
+"""Nemotron-H multi-token prediction (MTP) layers, with the checkpoint's names (`mtp.layers.{i}.*`).
+
+Layout as public engines load it: one stack of attention / MoE / MLP blocks; the first block
+fuses the embedding of the next token with the target's final hidden state,
+``eh_proj(cat(enorm(embed), hnorm(hidden)))``; the last ends in ``final_layernorm``; the token
+embedding and the LM head are the target's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from replayserve.config import ATTENTION, MOE, ModelConfig
+from replayserve.layers.attention import Attention
+from replayserve.layers.mlp import MLP, MoE
+from replayserve.layers.norm import RMSNorm
+from replayserve.ops.attention import paged_attention_ref
+
+
+class MTPBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, block_type: str, first: bool, last: bool) -> None:
+        super().__init__()
+        self.block_type = block_type
+        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        self.mixer: nn.Module
+        if block_type == ATTENTION:
+            self.mixer = Attention(cfg)
+        elif block_type == MOE:
+            self.mixer = MoE(cfg)
+        else:
+            self.mixer = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        if first:
+            self.enorm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+            self.hnorm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+            self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        if last:
+            self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+
+
+class NemotronHMTP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        n = len(cfg.mtp_layer_types)
+        self.layers = nn.ModuleList(MTPBlock(cfg, t, i == 0, i == n - 1) for i, t in enumerate(cfg.mtp_layer_types))
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """embeds (L, hidden): embeddings of tokens i + 1; hidden (L, hidden): the hidden state that
+        predicted them (the target's, or this module's own for chained drafts). Causal over the L
+        positions, no cache. Returns (L, hidden) after final_layernorm: row i predicts token i + 2."""
+        first = self.layers[0]
+        x = first.eh_proj(torch.cat([first.enorm(embeds), first.hnorm(hidden)], dim=-1))
+        for block in self.layers:
+            h = block.norm(x)
+            x = x + (_causal_attention(block.mixer, h) if block.block_type == ATTENTION else block.mixer(h))
+        return self.layers[-1].final_layernorm(x)
+
+
+def _causal_attention(attn: Attention, hidden: torch.Tensor) -> torch.Tensor:
+    """The attention mixer over `hidden` alone: one sequence in a single block of its own length."""
+    t = hidden.shape[0]
+    q = attn.q_proj(hidden).view(t, attn.num_heads, attn.head_dim)
+    k = attn.k_proj(hidden).view(1, t, attn.num_kv_heads, attn.head_dim)
+    v = attn.v_proj(hidden).view(1, t, attn.num_kv_heads, attn.head_dim)
+    dev = hidden.device
+    out = paged_attention_ref(q, k, v, torch.zeros(1, 1, dtype=torch.int64, device=dev),
+                              torch.tensor([0, t], device=dev), torch.tensor([t], device=dev), attn.scale,
+                              batch_decodes=False)
+    return attn.o_proj(out.reshape(t, -1))
