@@ -248,17 +248,18 @@ def test_mtp_configuration_errors(tiny_model_dir: Path, tmp_path: Path) -> None:
         make_tiny(tmp_path / "mamba", layers="M*", num_nextn_predict_layers=1, mtp_layer_types=("linear_attention",))
 
 
+@pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("mode", [None, "align", "all"])
 @pytest.mark.parametrize("backend", ["baseline", "replay"])
 @pytest.mark.parametrize("method", ["ngram", "draft", "mtp"])
 def test_every_proposer_is_lossless_with_prefix_hits_and_small_pools(mtp_model_dir: Path, other_model_dir: Path,
                                                                       method: str, backend: str,
-                                                                      mode: str | None) -> None:
+                                                                      mode: str | None, k: int) -> None:
     """The prefix-cache workload (shared prompts, second turns, hits while decoding, chunked
-    prefills) on small pools (evictions, preemptions) with each real proposer, k = 3."""
+    prefills) on small pools (evictions, preemptions) with each real proposer."""
     small = {"num_kv_blocks": 24, "max_model_len": 96, "num_mamba_cache_slots": 2}
     reference = _workload(_llm(mtp_model_dir, **small).engine)
-    spec = {"method": method, "num_speculative_tokens": 3}
+    spec = {"method": method, "num_speculative_tokens": k}
     if method == "draft":
         spec["model"] = str(other_model_dir)
     llm = _llm(mtp_model_dir, backend, mode, replay_window=8, speculative=spec, **small)
