@@ -13,7 +13,8 @@ from replayserve.engine.request import Request, SamplingParams, Status
 from replayserve.engine.runner import Runner
 from replayserve.engine.scheduler import Scheduler
 from replayserve.models.nemotron_h import NemotronHForCausalLM
-from replayserve.spec.metrics import SpecMetrics, make_proposer
+from replayserve.spec.factory import make_proposer
+from replayserve.spec.metrics import SpecMetrics
 from replayserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

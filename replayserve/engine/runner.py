@@ -49,6 +49,7 @@ class Runner:
         ]
         self.ssm = make_ssm_backend(config, self.dtype, self.device)
         self.hidden_store: HiddenStore | None = None  # set by the MTP proposer: it reads final hidden states
+        self._mixers = sorted((m for m in model.modules() if isinstance(m, Mamba2Mixer)), key=lambda m: m.mamba_index)
 
     def build_context(self, plan: StepPlan) -> tuple[torch.Tensor, StepContext]:
         bs = self.config.block_size
@@ -143,13 +144,12 @@ class Runner:
         """Final hidden states of the positions this step computed for good (a verify row: the
         tokens it kept), for the MTP proposer."""
         assert self.hidden_store is not None
-        kept = iter(results)
+        kept = iter(len(r.tokens) for r in results)  # one per sampling row, in plan order
         offset = 0
         for seq in plan.seqs:
             n = len(seq.token_ids)
-            valid = len(next(kept).tokens) if seq.sample and seq.num_drafts else n
-            if seq.sample and not seq.num_drafts:
-                next(kept)
+            emitted = next(kept) if seq.sample else 0
+            valid = emitted if seq.num_drafts else n  # a verify keeps only its accepted tokens
             self.hidden_store.record(seq.request_id, seq.start_pos, hidden[offset : offset + valid])
             offset += n
 
@@ -169,5 +169,4 @@ class Runner:
 
     def mamba_A(self) -> list[torch.Tensor]:
         """A (H,) of every Mamba layer, in layer order."""
-        mixers = sorted((m for m in self.model.modules() if isinstance(m, Mamba2Mixer)), key=lambda m: m.mamba_index)
-        return [m.params().A for m in mixers]
+        return [m.params().A for m in self._mixers]

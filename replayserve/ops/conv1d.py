@@ -14,6 +14,13 @@ def _check_activation(activation: str | None) -> None:
         raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
 
 
+def _check_pool(conv_state: Tensor, state_indices: Tensor, batch: int, dim: int, width: int) -> None:
+    if conv_state.shape[1:] != (dim, width - 1):
+        raise ValueError(f"conv_state must be (S, {dim}, {width - 1}), got {tuple(conv_state.shape)}")
+    if state_indices.shape != (batch,):
+        raise ValueError(f"state_indices must be ({batch},), got {tuple(state_indices.shape)}")
+
+
 def _apply_taps(taps: list[Tensor], weight: Tensor, bias: Tensor | None, activation: str | None) -> Tensor:
     # Prefill and decode both go through this tap-by-tap elementwise sum so that
     # they perform the identical sequence of floating-point operations; a fused
@@ -101,10 +108,7 @@ def causal_conv1d_update_ref(
     _check_activation(activation)
     batch, dim = x.shape
     width = weight.shape[1]
-    if conv_state.shape[1:] != (dim, width - 1):
-        raise ValueError(f"conv_state must be (S, {dim}, {width - 1}), got {tuple(conv_state.shape)}")
-    if state_indices.shape != (batch,):
-        raise ValueError(f"state_indices must be ({batch},), got {tuple(state_indices.shape)}")
+    _check_pool(conv_state, state_indices, batch, dim, width)
     idx = state_indices.long()
     # Cast the stored state to x.dtype first so decode sees exactly the values
     # prefill would have seen in u.
@@ -142,8 +146,7 @@ def causal_conv1d_verify_ref(
     _check_activation(activation)
     batch, tokens, dim = x.shape
     width = weight.shape[1]
-    if conv_state.shape[1:] != (dim, width - 1):
-        raise ValueError(f"conv_state must be (S, {dim}, {width - 1}), got {tuple(conv_state.shape)}")
+    _check_pool(conv_state, state_indices, batch, dim, width)
     window = torch.cat([conv_state[state_indices.long()].to(x.dtype), x.transpose(1, 2)], dim=-1)
     cdt = compute_dtype(x.dtype)
     wc = window.to(cdt)

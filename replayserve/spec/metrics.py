@@ -3,13 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-from replayserve.config import EngineConfig
-from replayserve.spec.proposers import NgramProposer, Proposer
-
-if TYPE_CHECKING:
-    from replayserve.engine.runner import Runner
 
 
 @dataclass
@@ -36,26 +29,3 @@ class SpecMetrics:
         return {"spec_num_drafts": self.num_drafts, "spec_num_draft_tokens": self.num_draft_tokens,
                 "spec_num_accepted_tokens": self.num_accepted_tokens, "spec_acceptance_rate": rate,
                 "spec_accepted_per_position": list(self.accepted_per_position)}
-
-
-def make_proposer(engine: EngineConfig, runner: Runner) -> Proposer | None:
-    """The proposer `engine.speculative` asks for; MTP drafts from the runner's model and the
-    hidden states it records."""
-    config = engine.speculative
-    if config is None:
-        return None
-    if config.method == "ngram":
-        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    if config.method == "draft":
-        from replayserve.spec.draft import DraftModelProposer
-
-        assert config.model is not None
-        return DraftModelProposer(config.model, engine)
-    if config.method == "mtp":
-        from replayserve.spec.mtp import HiddenStore, MTPProposer
-
-        runner.hidden_store = HiddenStore()
-        return MTPProposer(runner.model, runner.hidden_store)
-    if config.method == "custom":
-        return config.proposer
-    raise ValueError(f"speculative method {config.method!r} has no proposer")  # rejected by the config

@@ -68,12 +68,13 @@ class ReplayBackend(SSMBackend):
             return
         start = self.ring_start.index_select(0, src)
         n = self.history.index_select(0, src) - lag
+        j = self._accepted[rows] - lag if self._windows else None  # this step's tokens up to the boundary
         for layer in range(self.layout.num_layers):
             self._materialize(self.ssm_state[layer], self.x_ring[layer], self.dt_ring[layer], self.b_ring[layer],
                               A[layer], src, dst, start, n)
-            if self._windows:  # the conv state is the last K - 1 inputs before the boundary
-                j, width = self._accepted[rows] - lag, self.layout.conv_kernel - 1
-                self.conv_state[layer][dst] = conv_state_after(self._windows[layer][rows], j, width)
+            if j is not None:  # the conv state is the last K - 1 inputs before the boundary
+                self.conv_state[layer][dst] = conv_state_after(self._windows[layer][rows], j,
+                                                               self.layout.conv_kernel - 1)
             else:
                 self.conv_state[layer][dst] = self.conv_state[layer][src]
 

@@ -16,7 +16,7 @@ from replayserve import LLM, SamplingParams
 from replayserve.engine.request import Request, Status
 from replayserve.tiny import make_tiny
 from tests.conftest import assert_pools_full
-from tests.engine.test_prefix_cache import BS, _llm, check_boundary_states
+from tests.engine.test_prefix_cache import _llm, check_boundary_states
 
 BASES = [torch.randint(3, 500, (14,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(3)]
 _shared: dict = {}
@@ -110,6 +110,5 @@ SETTINGS = settings(max_examples=8, stateful_step_count=20, deadline=None,
 
 @pytest.mark.parametrize("machine", [PrefixCacheMachine, ReplayAlignMachine], ids=["baseline-all", "replay-align"])
 def test_prefix_cache_state_machine(machine: type[PrefixCacheMachine]) -> None:
-    assert BS == 4
     machine.TestCase.settings = SETTINGS
     machine.TestCase().runTest()

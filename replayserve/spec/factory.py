@@ -1,0 +1,34 @@
+"""Builds the proposer an engine's `speculative` config asks for."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from replayserve.config import EngineConfig
+from replayserve.spec.proposers import NgramProposer, Proposer
+
+if TYPE_CHECKING:
+    from replayserve.engine.runner import Runner
+
+
+def make_proposer(engine: EngineConfig, runner: Runner) -> Proposer | None:
+    """The proposer `engine.speculative` asks for; MTP drafts from the runner's model and the
+    hidden states it records."""
+    config = engine.speculative
+    if config is None:
+        return None
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "draft":
+        from replayserve.spec.draft import DraftModelProposer
+
+        assert config.model is not None
+        return DraftModelProposer(config.model, engine)
+    if config.method == "mtp":
+        from replayserve.spec.mtp import HiddenStore, MTPProposer
+
+        runner.hidden_store = HiddenStore()
+        return MTPProposer(runner.model, runner.hidden_store)
+    if config.method == "custom":
+        return config.proposer
+    raise ValueError(f"speculative method {config.method!r} has no proposer")  # rejected by the config
