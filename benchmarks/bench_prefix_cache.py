@@ -99,6 +99,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
     parser.add_argument("--backends", nargs="+", default=["baseline", "replay"])
+    parser.add_argument("--workloads", nargs="+", choices=["shared", "unique"], default=["shared", "unique"])
     parser.add_argument("--repeats", type=int, default=5, help="rounds of waves; medians are reported")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -110,7 +111,7 @@ def main() -> None:
     for llm in engines.values():  # compiles kernels, and serves the system prompt once
         run_wave(llm, prompts(1, args.prefix, args.suffix, True, vocab, seed=1), 2)
     records = []
-    for shared in (True, False):
+    for shared in [w == "shared" for w in args.workloads]:
         samples: dict[tuple, list[tuple[float, float]]] = {c: [] for c in configs}
         outputs: dict[tuple, list[list[int]]] = {c: [] for c in configs}
         before = {c: engines[c].get_metrics() for c in configs}

@@ -83,6 +83,8 @@ def main() -> None:
                                 "measured_acceptance": rate, "same": outs == ref,
                                 "tokens_per_step": batch * args.max_tokens / m["num_steps"]})
             print(f"done batch {batch} {backend}", file=sys.stderr, flush=True)
+            if args.out:  # after every batch, so a run cut short keeps what it measured
+                args.out.write_text(json.dumps(records, indent=2))
     print(f"\nk = {args.k}, {args.prompt}-token prompts, {args.max_tokens} generated; model {args.size}, "
           f"{args.dtype} on {args.device}")
     print("| batch | config | acceptance (set / measured) | tok/s | vs no spec (baseline) | same tokens |")
@@ -92,8 +94,6 @@ def main() -> None:
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.1f} / {r['measured_acceptance']:.2f}"
         print(f"| {r['batch']} | {r['config']} | {acc} | {r['tok_s']:.0f} | {r['tok_s'] / base:.2f}x | "
               f"{'yes' if r['same'] else 'NO'} |")
-    if args.out:
-        args.out.write_text(json.dumps(records, indent=2))
 
 
 if __name__ == "__main__":

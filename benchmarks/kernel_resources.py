@@ -35,7 +35,9 @@ class Capture:
 
 def compile_call(fn, args, kwargs):  # noqa: ANN001, ANN201 - a dev tool over Triton internals
     """Compiles one captured launch for sm_90; returns cuobjdump's resource line."""
-    num_warps = kwargs.pop("num_warps", 4)
+    options = {"num_warps": kwargs.pop("num_warps", 4)}
+    if "maxnreg" in kwargs:  # a register cap, as the launch option of the same name
+        options["maxnreg"] = kwargs.pop("maxnreg")
     sig, consts, attrs = {}, dict(kwargs), {}
     for i, (name, v) in enumerate(zip(fn.arg_names, args, strict=False)):
         if isinstance(v, torch.Tensor):
@@ -57,7 +59,7 @@ def compile_call(fn, args, kwargs):  # noqa: ANN001, ANN201 - a dev tool over Tr
     for name in kwargs:
         sig[name] = "constexpr"
     src = triton.compiler.ASTSource(fn, sig, consts, attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])
     tool = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
