@@ -255,7 +255,7 @@ def sweep(batch: int, window: int, gen: torch.Generator) -> None:
     print(f"\nsweep at batch {batch}: us/step")
     for bp, nw in [(4, 4), (8, 4), (16, 4), (16, 8), (32, 4), (32, 8), (64, 4), (64, 8)]:
         ssu_triton._launch_config = lambda *_, bp=bp, nw=nw: (bp, nw)
-        rtk._step_config = lambda *_, bp=bp, nw=nw: (bp, nw)
+        rtk._step_config = lambda *_, bp=bp, nw=nw: {"BLOCK_P": bp, "num_warps": nw}
         ours = time_cycle(ssu_steps(batch, ssu_triton.selective_state_update_triton, False, gen), False)
         rep = time_cycle(replay_steps(batch, window, gen), False)
         print(f"BLOCK_P={bp:3d} warps={nw}: ours {ours:8.1f}  replay {rep:8.1f}")

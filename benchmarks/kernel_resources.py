@@ -6,7 +6,7 @@ Triton's bundled ptxas and read back with its cuobjdump. Use the Triton version 
 machine (3.6 on the H200 image) for counts that match it: e.g. a venv with `pip install
 triton==3.6.0`, then
 
-    PYTHONPATH=$PWD python benchmarks/kernel_resources.py [module] [BLOCK_P/warps ...]
+    PYTHONPATH=$PWD python benchmarks/kernel_resources.py [module] [BLOCK_P/warps[/maxnreg] ...]
 
 Registers bound this memory-bound kernel: they set the programs, hence loads, in flight per SM.
 """
@@ -84,12 +84,14 @@ def step_args(mod, T, H=128, P=64, N=128, G=8, W=16, S=8):
 
 def main():
     mod = importlib.import_module(sys.argv[1] if len(sys.argv) > 1 else "replayserve.ops.replay_ssm_triton")
-    configs = [tuple(map(int, c.split("/"))) for c in sys.argv[2:]] or [(32, 2), (16, 1), (32, 4), (64, 4)]
     default = mod._step_config
+    # BLOCK_P/num_warps[/maxnreg] launch configs; none given: the module's own
+    configs = [dict(zip(("BLOCK_P", "num_warps", "maxnreg"), map(int, c.split("/")), strict=False))
+               for c in sys.argv[2:]] or [None]
     names = [n for n in dir(mod) if n.startswith("_replay_") and n.endswith("_kernel")]
     for T in (1, 4):
-        for bp, nw in configs:
-            mod._step_config = lambda *_, bp=bp, nw=nw: (bp, nw)
+        for config in configs:
+            mod._step_config = default if config is None else (lambda *_, c=config: dict(c))
             caps = {n: Capture() for n in names}
             saved = {n: getattr(mod, n) for n in names}
             for n, c in caps.items():
@@ -101,7 +103,8 @@ def main():
                     setattr(mod, n, f)
             for n, c in caps.items():
                 for a, k in c.calls:
-                    print(f"T={T} BLOCK_P={bp} warps={nw} {n}: {compile_call(saved[n], a, dict(k))}", flush=True)
+                    label = "/".join(str(k[o]) for o in ("BLOCK_P", "num_warps", "maxnreg") if o in k)
+                    print(f"T={T} {label} {n}: {compile_call(saved[n], a, dict(k))}", flush=True)
     mod._step_config = default
 
 

@@ -124,7 +124,8 @@ class Runner:
 
     def _sample(self, plan: StepPlan, picks: list[range], logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None]) -> list[SampleResult]:
-        """Plain rows are sampled as one batch; verify rows one by one (acceptance is per row)."""
+        """Plain rows are sampled as one batch; verify rows one by one (acceptance is per row), with
+        the greedy rows' argmaxes moved to the host in one transfer."""
         sampling = [s for s in plan.seqs if s.sample]
         offsets = list(itertools.accumulate((len(r) for r in picks), initial=0))
         plain = [i for i, s in enumerate(sampling) if not s.num_drafts]
@@ -134,10 +135,12 @@ class Runner:
             for i, r in zip(plain, sample(rows, [params[i] for i in plain], [generators[i] for i in plain]),
                             strict=True):
                 results[i] = r
-        for i, seq in enumerate(sampling):
-            if seq.num_drafts:
-                results[i] = sample_verify(logits[offsets[i] : offsets[i + 1]], seq.token_ids[1:], params[i],
-                                           generators[i])
+        verify = [i for i, s in enumerate(sampling) if s.num_drafts]
+        argmax = logits.argmax(dim=-1).tolist() if any(params[i].greedy for i in verify) else []
+        for i in verify:
+            best = argmax[offsets[i] : offsets[i + 1]] if params[i].greedy else None
+            results[i] = sample_verify(logits[offsets[i] : offsets[i + 1]], sampling[i].token_ids[1:], params[i],
+                                       generators[i], best)
         return [r for r in results if r is not None]
 
     def _record_hidden(self, plan: StepPlan, hidden: torch.Tensor, results: list[SampleResult]) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from replayserve.engine.request import SamplingParams
-from replayserve.spec.acceptance import greedy_accept, rejection_accept
+from replayserve.spec.acceptance import accept_argmax, greedy_accept, rejection_accept
 
 
 @dataclass(frozen=True)
@@ -71,13 +71,14 @@ def sample(
 
 
 def sample_verify(logits: torch.Tensor, drafts: tuple[int, ...], params: SamplingParams,
-                  generator: torch.Generator | None) -> SampleResult:
+                  generator: torch.Generator | None, argmax: list[int] | None = None) -> SampleResult:
     """One verify row: logits (1 + k, V) for the positions after the last known token and after
     each draft. Greedy: the drafts that match the argmax, then the argmax at the first mismatch.
     Otherwise lossless rejection sampling against the filtered target distribution (the drafts
-    are deterministic, so their distribution is one-hot)."""
+    are deterministic, so their distribution is one-hot). ``argmax``: the rows' argmaxes, when the
+    caller has them on the host already (greedy only)."""
     if params.greedy:
-        tokens = greedy_accept(logits, drafts)
+        tokens = greedy_accept(logits, drafts) if argmax is None else accept_argmax(argmax, drafts)
     else:
         probs = torch.stack([_filter(row, params).softmax(-1) for row in logits])
         tokens = rejection_accept(probs, drafts, None, generator)

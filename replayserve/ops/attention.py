@@ -7,6 +7,8 @@ from torch import Tensor
 
 from replayserve.ops.dtypes import compute_dtype
 
+SHORT_ROW = 6  # at most this many query tokens (decode, verify of up to 5 drafts): batched on CUDA
+
 
 def write_kv_cache_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     """Scatter new K/V tokens into a paged cache, IN PLACE.
@@ -59,8 +61,9 @@ def paged_attention_ref(
             q_len query rows are positions seq_len - q_len .. seq_len - 1 and each
             attends to cache positions 0 .. its own position.
         scale: multiplier applied to q.k scores.
-        batch_decodes: attend all one-query sequences in one padded batch (None: on CUDA, where a
-            per-sequence loop costs a launch per op; on CPU the loop is faster).
+        batch_decodes: attend all sequences of at most ``SHORT_ROW`` query tokens (decode and verify
+            rows) in one padded batch (None: on CUDA, where a per-sequence loop costs a launch per op;
+            on CPU the loop is faster).
 
     Returns:
         (T, Hq, Dh) in q.dtype; scores, softmax and the weighted sum of V are in
@@ -80,13 +83,13 @@ def paged_attention_ref(
     out = torch.zeros_like(q)
     if batch_decodes is None:
         batch_decodes = q.is_cuda
-    single = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1] if batch_decodes else []
-    if single:  # decode rows, one query each: one batched gather instead of a loop
-        _attend_single_queries(q, k_cache, v_cache, block_tables, starts, lens, single, scale, out)
+    short = [s for s in range(len(lens)) if 1 <= starts[s + 1] - starts[s] <= SHORT_ROW] if batch_decodes else []
+    if short:  # decode and verify rows: one batched gather instead of a loop
+        _attend_short_rows(q, k_cache, v_cache, block_tables, starts, lens, short, scale, out)
     for s, seq_len in enumerate(lens):
         q_start, q_end = starts[s], starts[s + 1]
         q_len = q_end - q_start
-        if q_len == 0 or (q_len == 1 and batch_decodes):
+        if q_len == 0 or (q_len <= SHORT_ROW and batch_decodes):
             continue
         if q_len > seq_len:
             raise ValueError(f"sequence {s}: {q_len} query tokens but seq_len {seq_len}")
@@ -107,16 +110,22 @@ def paged_attention_ref(
     return out
 
 
-def _attend_single_queries(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, starts: list[int],
-                           lens: list[int], rows: list[int], scale: float, out: Tensor) -> None:
-    """``paged_attention_ref`` for the sequences `rows`, which have one query token each, padded to
-    the longest context and masked; writes their rows of `out`."""
+def _attend_short_rows(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, starts: list[int],
+                       lens: list[int], rows: list[int], scale: float, out: Tensor) -> None:
+    """``paged_attention_ref`` for the sequences `rows` (each 1..SHORT_ROW query tokens), padded to
+    the longest context and the most queries, and masked; writes their rows of `out`."""
     group = q.shape[1] // k_cache.shape[2]
     block_size = k_cache.shape[1]
     cdt = compute_dtype(q.dtype)
-    index = torch.tensor(rows, device=q.device)
-    seq_lens = torch.tensor([lens[s] for s in rows], device=q.device)
-    pos = torch.arange(int(seq_lens.max()), device=q.device)
+    dev = q.device
+    q_lens = [starts[s + 1] - starts[s] for s in rows]
+    if any(q_len > lens[s] for q_len, s in zip(q_lens, rows, strict=True)):
+        raise ValueError("a sequence has more query tokens than its seq_len")
+    qmax = max(q_lens)
+    index = torch.tensor(rows, device=dev)
+    seq_lens = torch.tensor([lens[s] for s in rows], device=dev)
+    n_q = torch.tensor(q_lens, device=dev)
+    pos = torch.arange(int(seq_lens.max()), device=dev)
     blocks = block_tables[index].long()[:, pos // block_size]  # (n, L)
     valid = pos[None, :] < seq_lens[:, None]
     if bool((blocks[valid] < 0).any()):
@@ -127,9 +136,14 @@ def _attend_single_queries(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     k = k_cache[blocks, pos % block_size].to(cdt).permute(0, 2, 1, 3)
     v = v_cache[blocks, pos % block_size].to(cdt).permute(0, 2, 1, 3)
     v = v.masked_fill(~valid[:, None, :, None], 0.0)  # padding may hold anything, even NaN: 0 * NaN = NaN
-    q_rows = torch.tensor([starts[s] for s in rows], device=q.device)
-    qg = q[q_rows].to(cdt).view(n, hkv, group, dh)
-    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # (n, Hkv, group, L)
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    att = torch.matmul(torch.softmax(scores, dim=-1), v)  # (n, Hkv, group, Dh)
-    out[q_rows] = att.reshape(n, hkv * group, dh).to(q.dtype)
+    i = torch.arange(qmax, device=dev)
+    real = i[None, :] < n_q[:, None]  # (n, Qmax)
+    q_rows = torch.tensor([starts[s] for s in rows], device=dev)[:, None] + torch.where(real, i[None, :], 0)
+    q_pos = seq_lens[:, None] - n_q[:, None] + i[None, :]  # (n, Qmax): position of each query
+    allowed = (pos[None, None, :] <= q_pos[:, :, None]) & valid[:, None, :]  # (n, Qmax, L)
+    qg = q[q_rows].to(cdt).view(n, qmax, hkv, group, dh).permute(0, 2, 1, 3, 4).reshape(n, hkv, qmax * group, dh)
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # (n, Hkv, Qmax * group, L)
+    mask = allowed[:, None, :, None, :].expand(n, hkv, qmax, group, allowed.shape[-1]).reshape(scores.shape)
+    att = torch.matmul(torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1), v)
+    att = att.view(n, hkv, qmax, group, dh).permute(0, 2, 1, 3, 4).reshape(n, qmax, hkv * group, dh)
+    out[q_rows[real]] = att[real].to(q.dtype)

@@ -26,7 +26,14 @@ def greedy_accept(target_logits: Tensor, drafts: Sequence[int]) -> list[int]:
             f"greedy_accept needs target_logits of shape (len(drafts) + 1, V) = ({len(drafts) + 1}, V), "
             f"got {tuple(target_logits.shape)}"
         )
-    best = target_logits.argmax(dim=-1).tolist()
+    return accept_argmax(target_logits.argmax(dim=-1).tolist(), drafts)
+
+
+def accept_argmax(best: Sequence[int], drafts: Sequence[int]) -> list[int]:
+    """``greedy_accept`` from the target's argmax per position (len(drafts) + 1 ids), so a batch of
+    rows can move its argmaxes to the host at once."""
+    if len(best) != len(drafts) + 1:
+        raise ValueError(f"accept_argmax needs len(drafts) + 1 = {len(drafts) + 1} argmaxes, got {len(best)}")
     emitted: list[int] = []
     for draft, target in zip(drafts, best, strict=False):
         if draft != target:

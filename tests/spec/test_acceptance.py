@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from replayserve.spec.acceptance import _rejection_accept_batch, greedy_accept, rejection_accept
+from replayserve.spec.acceptance import _rejection_accept_batch, accept_argmax, greedy_accept, rejection_accept
 
 # Chi-square critical value for df = 5 (V = 6) at alpha = 0.001: 20.515 (standard chi-square table).
 CHI2_CRIT_DF5_ALPHA_001 = 20.515
@@ -81,6 +81,17 @@ def test_greedy_no_drafts_emits_one_token() -> None:
 def test_greedy_rejects_mismatched_rows() -> None:
     with pytest.raises(ValueError, match="len\\(drafts\\) \\+ 1"):
         greedy_accept(_logits_for([3, 1]), [3, 1])
+
+
+def test_accept_argmax_matches_greedy_accept_on_random_rows() -> None:
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(50):
+        k = int(torch.randint(0, 5, (1,), generator=gen))
+        logits = torch.randn(k + 1, 4, generator=gen)
+        drafts = torch.randint(0, 4, (k,), generator=gen).tolist()
+        assert accept_argmax(logits.argmax(-1).tolist(), drafts) == greedy_accept(logits, drafts)
+    with pytest.raises(ValueError, match="len\\(drafts\\) \\+ 1"):
+        accept_argmax([3], [3])
 
 
 # ---------------------------------------------------------------------------------------------- rejection
