@@ -45,10 +45,9 @@ def _fold(s, xr_row, dr_row, br_row, start, count, R, a, offs_p, offs_n, mask_p,
           s_xr_r, s_xr_p, s_dr_r, s_br_r, s_br_n):
     """fold(S, entries 0..count-1 from physical ``start``) as the recurrence S = e^{A d} S + d x b^T.
 
-    s: (BLOCK_P, BLOCK_N) fp32. A loop, not unrolled: the step kernel's registers are sized by its
-    largest path, and an unrolled fold (all entries' loads in flight) would raise them for every
-    row to speed up the few that flush. Each iteration loads the next entry before it folds this
-    one, so the loads (L1/L2 hits: just read or written) overlap the arithmetic.
+    s: (BLOCK_P, BLOCK_N) fp32. Materialization's fold, token by token like the baseline update
+    (the step kernel's flush uses the tile form instead). A loop, not unrolled, so registers stay
+    those of one entry; each iteration loads the next entry before it folds this one.
     """
     p = start
     d = tl.load(dr_row + p * s_dr_r, mask=count > 0, other=0.0).to(tl.float32)
