@@ -3,13 +3,15 @@
 prefix, where caching can only cost (bookkeeping, boundary-state copies).
 
 A wave of ``--requests`` prompts (one ``--prefix``-token system prompt + a ``--suffix``-token
-question each) arrives at once after one warm-up request has served the system prompt. TTFT is
-measured per request from the wave's arrival to its first sampled token; throughput is generated
-tokens over the wave's wall time; both are medians over ``--repeats`` rounds, each round one wave
-per configuration in a rotating order; "vs none (paired)" is the median over rounds of the
-throughput ratio to ``mamba_cache_mode='none'`` in the same round. Every configuration is checked
-to produce the same greedy tokens as caching off. The model is a random Nemotron-H
-built locally (`--size tiny|medium`).
+question each) arrives at once after one warm-up request has served the system prompt. In a
+round every configuration serves the same wave in lock-step: one engine step each in turn (the
+order rotating), every step timed on its own up to a device sync, so that the machine's drift and
+noise fall on all configurations alike. An engine's clock is the sum of its own step times: TTFT
+per request is that clock at its first sampled token, throughput is generated tokens over the
+clock at the end; both are medians over ``--repeats`` rounds; "vs none (paired)" is the median
+over rounds of the throughput ratio to ``mamba_cache_mode='none'`` in the same round. Every
+configuration is checked to produce the same greedy tokens as caching off. The model is a random
+Nemotron-H built locally (`--size tiny|medium`).
 
     python benchmarks/bench_prefix_cache.py [--device cuda] [--size medium] [--requests 32] [--out r.json]
 """
@@ -17,6 +19,7 @@ built locally (`--size tiny|medium`).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -55,22 +58,35 @@ def prompts(n: int, prefix: int, suffix: int, shared: bool, vocab: int, seed: in
 
 
 def run_wave(llm: LLM, wave: list[list[int]], max_tokens: int) -> tuple[list[float], float, list[list[int]]]:
-    """TTFTs (s), wall time (s) and outputs of one wave submitted at once."""
-    engine = llm.engine
+    """TTFTs (s), wall time (s) and outputs of one wave submitted at once, served alone."""
+    return run_lockstep({None: llm}, wave, max_tokens)[None]
+
+
+def run_lockstep(llms: dict, wave: list[list[int]], max_tokens: int) -> dict:
+    """Every engine serves the wave, one step each in turn: {key: (TTFTs, clock, outputs)}, where
+    an engine's clock is the sum of its own step times (each step ends with a device sync, so no
+    work of one engine runs into another's step)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    sync = torch.cuda.synchronize if llm.config.device.startswith("cuda") else (lambda: None)
+    device = next(iter(llms.values())).config.device
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    requests = {k: [llm.engine.add_request(p, params) for p in wave] for k, llm in llms.items()}
+    clock = dict.fromkeys(llms, 0.0)
+    first: dict = {k: {} for k in llms}
+    active, turn = list(llms), 0
     sync()
-    t0 = time.perf_counter()
-    requests = [engine.add_request(p, params) for p in wave]
-    first: dict[str, float] = {}
-    while engine.has_unfinished():
-        engine.step()  # sampled tokens reach the host each step, so the clock needs no extra sync
-        now = time.perf_counter()
-        for r in requests:
-            if r.output_token_ids and r.request_id not in first:
-                first[r.request_id] = now - t0
-    wall = time.perf_counter() - t0
-    return [first[r.request_id] for r in requests], wall, [r.output_token_ids for r in requests]
+    while active:
+        for k in active[turn % len(active):] + active[: turn % len(active)]:
+            t0 = time.perf_counter()
+            llms[k].engine.step()
+            sync()
+            clock[k] += time.perf_counter() - t0
+            for r in requests[k]:
+                if r.output_token_ids and r.request_id not in first[k]:
+                    first[k][r.request_id] = clock[k]
+        active = [k for k in active if llms[k].engine.has_unfinished()]
+        turn += 1
+    return {k: ([first[k][r.request_id] for r in requests[k]], clock[k], [r.output_token_ids for r in requests[k]])
+            for k in llms}
 
 
 def twin(records: list[dict], r: dict, caching: str, mode: str) -> dict:
@@ -115,13 +131,12 @@ def main() -> None:
         samples: dict[tuple, list[tuple[float, float]]] = {c: [] for c in configs}
         outputs: dict[tuple, list[list[int]]] = {c: [] for c in configs}
         before = {c: engines[c].get_metrics() for c in configs}
-        # Rounds of one wave per configuration, in a rotating order, so that drift of the machine
-        # falls on every configuration alike; each round's prompts are the same for all of them.
         for rep in range(args.repeats):
             wave = prompts(args.requests, args.prefix, args.suffix, shared, vocab, seed=2 + rep)
-            for c in configs[rep % len(configs):] + configs[: rep % len(configs)]:
-                ttft, wall, outs = run_wave(engines[c], wave, args.max_tokens)
-                samples[c].append((statistics.mean(ttft), wall))
+            order = configs[rep % len(configs):] + configs[: rep % len(configs)]
+            gc.collect()
+            for c, (ttft, clock, outs) in run_lockstep({c: engines[c] for c in order}, wave, args.max_tokens).items():
+                samples[c].append((statistics.mean(ttft), clock))
                 outputs[c] += outs
         for c in configs:
             m, m0 = engines[c].get_metrics(), before[c]

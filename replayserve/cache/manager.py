@@ -187,18 +187,22 @@ class CacheManager:
             self.live.free([request.state_slot])
 
     # -- publishing ----------------------------------------------------------------------------
-    def plan_boundaries(self, request: Request, start: int, num_tokens: int, every: bool) -> list[BoundaryWrite]:
+    def plan_boundaries(self, request: Request, start: int, num_tokens: int, every: bool,
+                        also: tuple[int, ...] = ()) -> list[BoundaryWrite]:
         """Boundary states this step will produce for the request's tokens ``[start, start + n)``:
-        every grid boundary crossed (``every``, mode ``all``) or only one the step ends on
-        (``align``). Boundaries already cached are skipped; so are those no free slot can take."""
+        every grid boundary crossed (``every``, mode ``all``) or the one the step ends on and the
+        grid points in ``also`` (``align``). Boundaries already cached are skipped; so are those
+        no free slot can take."""
         if self.states is None:
             return []
         grid, end = self.state_block, start + num_tokens
         keys, hashes = self._hashed(request, self.owned[request.request_id])
+        if every:
+            points = range((start // grid + 1) * grid, end + 1, grid)
+        else:
+            points = sorted({p for p in (*also, end) if start < p <= end and p % grid == 0})
         writes = []
-        for b in range((start // grid + 1) * grid if every else end // grid * grid, end + 1, grid):
-            if b <= start or (not every and b != end):
-                continue
+        for b in points:
             k = b // self.block_size  # the attention block ending at b keys the state
             known = k <= len(hashes)
             if self.states.num_free == 0 or (known and self.states.lookup(hashes[k - 1], keys[k - 1]) is not None):
@@ -210,8 +214,8 @@ class CacheManager:
     def publish(self, request: Request, writes: tuple[BoundaryWrite, ...]) -> None:
         """After a step: publish the request's newly full KV blocks and its boundary states, which
         the runner has written by now; a state some other request published first is dropped."""
-        if self.enable_caching:
-            owned = self.owned[request.request_id]
+        owned = self.owned[request.request_id] if self.enable_caching else None
+        if owned is not None and request.num_computed_tokens // self.block_size > owned.published:
             keys, hashes = self._hashed(request, owned)
             full = min(request.num_computed_tokens // self.block_size, len(hashes))
             for i in range(owned.published, full):

@@ -24,6 +24,7 @@ class StepContext:
     query_lens, state_slot_list: host copies, so prefill loops need no device sync.
     prefill_captures: per prefill sequence, (offset, boundary slot) pairs: the state after the
         chunk's first `offset` tokens is copied there (prefix caching); empty when caching is off.
+    prefill_starts: per prefill sequence, the absolute position of its first token (host).
     """
 
     positions: torch.Tensor
@@ -36,6 +37,7 @@ class StepContext:
     query_lens: tuple[int, ...]
     state_slot_list: tuple[int, ...]
     prefill_captures: tuple[tuple[tuple[int, int], ...], ...] = ()
+    prefill_starts: tuple[int, ...] = ()
 
     @property
     def decode_lens(self) -> tuple[int, ...]:
@@ -45,13 +47,14 @@ class StepContext:
     def num_decode_tokens(self) -> int:
         return sum(self.decode_lens)
 
-    def prefill_segments(self) -> list[tuple[int, int, int, tuple[tuple[int, int], ...]]]:
-        """(token start, token end, state slot, captures) of each prefill sequence."""
+    def prefill_segments(self) -> list[tuple[int, int, int, tuple[tuple[int, int], ...], int]]:
+        """(token start, token end, state slot, captures, first position) of each prefill sequence."""
         out = []
         start = self.num_decode_tokens
         lens, slots = self.query_lens[self.num_decodes :], self.state_slot_list[self.num_decodes :]
         captures = self.prefill_captures or ((),) * len(lens)
-        for qlen, slot, capture in zip(lens, slots, captures, strict=True):
-            out.append((start, start + qlen, slot, capture))
+        firsts = self.prefill_starts or (0,) * len(lens)
+        for qlen, slot, capture, first in zip(lens, slots, captures, firsts, strict=True):
+            out.append((start, start + qlen, slot, capture, first))
             start += qlen
         return out

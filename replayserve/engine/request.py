@@ -71,8 +71,8 @@ class Request:
     text: str = ""
     # Prefix-cache keys besides the tokens (e.g. a cache salt): requests share blocks only when equal.
     extra_keys: tuple = ()
-    # mamba_cache_mode='align': where the next prefill chunk must stop (a branch point), if anywhere.
-    chunk_stop: int | None = None
+    # mamba_cache_mode='align': a grid point where the prefill must keep a state (a branch point).
+    branch_point: int | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -81,6 +81,7 @@ class Runner:
             state_slot_list=tuple(s.state_slot for s in plan.seqs),
             prefill_captures=tuple(tuple((w.position - s.start_pos, w.slot) for w in s.boundary_writes)
                                    for s in plan.seqs if not s.is_decode),
+            prefill_starts=tuple(s.start_pos for s in plan.seqs if not s.is_decode),
         )
         return dev(ids), ctx
 

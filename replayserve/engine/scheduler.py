@@ -93,9 +93,9 @@ class Scheduler:
             request = self.waiting[0]
             hit = self.cache.find_hit(request)
             if self.mamba_cache_mode == "align" and hit.attention_tokens > hit.num_tokens:
-                # A branch point: stop a chunk where the cached KV ends, so a state exists there next time.
+                # A branch point: keep a state where the cached KV ends, so one exists there next time.
                 grid = self.cache.state_block
-                request.chunk_stop = hit.attention_tokens // grid * grid or None
+                request.branch_point = hit.attention_tokens // grid * grid or None
             n = self._chunk(request, hit.num_tokens, min(request.num_tokens - hit.num_tokens, budget))
             if n == 0 or not self.cache.can_admit(hit, hit.num_tokens + n):
                 break
@@ -127,18 +127,23 @@ class Scheduler:
 
     def _chunk(self, request: Request, start: int, n: int) -> int:
         """Prefill tokens to run from ``start`` (at most n). In ``align`` mode a chunk ends on a
-        Mamba grid boundary unless it finishes the known tokens, and stops at the last boundary
-        before the last token and at a branch point, so those states get kept (0: nothing fits)."""
+        Mamba grid boundary unless it finishes the known tokens (0: nothing fits)."""
         if self.mamba_cache_mode != "align":
             return n
         bs, end = self.cache.state_block, start + n
-        last_boundary = (request.num_tokens - 1) // bs * bs
-        for stop in sorted(s for s in (request.chunk_stop, last_boundary) if s is not None):
-            if start < stop < end:
-                return stop - start
         if end < request.num_tokens:
             end = end // bs * bs
         return max(0, end - start)
+
+    def _keep_points(self, request: Request) -> tuple[int, ...]:
+        """``align``: grid points inside a prefill chunk whose states are kept besides the chunk's
+        end: the last one before the last known token (or a prompt that is a whole number of
+        grid blocks never leaves a usable state) and a branch point. The scan emits them, so the
+        chunk need not stop there."""
+        if self.mamba_cache_mode != "align" or request.decoding:
+            return ()
+        grid = self.cache.state_block
+        return tuple(p for p in ((request.num_tokens - 1) // grid * grid, request.branch_point) if p)
 
     def _reserve(self, request: Request, n: int, preempted: list[str]) -> bool:
         """Allocates blocks for n more tokens, preempting the newest running requests if needed."""
@@ -160,7 +165,8 @@ class Scheduler:
             # A verify may end anywhere in its window: plan every boundary it can reach; the
             # ones beyond what is accepted are dropped after the step.
             every = self.mamba_cache_mode == "all" or bool(drafts)
-            writes = tuple(self.cache.plan_boundaries(request, start, n, every=every))
+            writes = tuple(self.cache.plan_boundaries(request, start, n, every=every,
+                                                      also=() if every else self._keep_points(request)))
         return ScheduledSeq(
             request_id=request.request_id,
             token_ids=tuple(request.all_token_ids[start : start + n - len(drafts)]) + drafts,
@@ -179,7 +185,7 @@ class Scheduler:
         request.status = Status.WAITING
         request.num_computed_tokens = 0
         request.decoding = False
-        request.chunk_stop = None
+        request.branch_point = None
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
@@ -195,8 +201,8 @@ class Scheduler:
         for seq in plan.seqs:
             request = self.unfinished[seq.request_id]
             request.num_computed_tokens += kept[seq.request_id] if seq.num_drafts else len(seq.token_ids)
-            if request.chunk_stop is not None and request.num_computed_tokens >= request.chunk_stop:
-                request.chunk_stop = None
+            if request.branch_point is not None and request.num_computed_tokens >= request.branch_point:
+                request.branch_point = None
             if seq.sample:
                 request.decoding = True
             self.cache.publish(request, seq.boundary_writes)

@@ -46,6 +46,7 @@ def ssd_chunk_scan_ref(
     dt_limit: tuple[float, float] = (0.0, math.inf),
     initial_state: Tensor | None = None,
     return_chunk_states: bool = False,
+    chunk_phase: int = 0,
 ) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """Mamba2 selective scan of one sequence in chunked (SSD) form.
 
@@ -65,18 +66,23 @@ def ssd_chunk_scan_ref(
         dt_limit: (min, max) clamp applied to the processed dt.
         initial_state: (H, P, N) or None (zeros).
         return_chunk_states: also return the states on the chunk grid.
+        chunk_phase: 0 <= phase < chunk_size tokens of the first chunk that lie before x (x starts
+            at a position phase past a grid point of a longer sequence): the first chunk holds
+            chunk_size - phase tokens, so the grid stays that of the whole sequence.
 
     Returns:
         y: (L, H, P) in x.dtype.
         final_state: (H, P, N) in compute_dtype(x.dtype), the state after token L-1.
-        chunk_states (if asked): (ceil(L / chunk_size), H, P, N), entry c the state after the
-            first c * chunk_size tokens (entry 0 the initial state).
+        chunk_states (if asked): (ceil((L + chunk_phase) / chunk_size), H, P, N), entry c the
+            state after the first c * chunk_size - chunk_phase tokens (entry 0 the initial state).
     """
     seqlen, nheads, headdim = x.shape
     ngroups, dstate = B.shape[1], B.shape[2]
     rep = _heads_per_group(nheads, ngroups)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if not 0 <= chunk_phase < chunk_size:
+        raise ValueError(f"chunk_phase must be in [0, {chunk_size}), got {chunk_phase}")
     cdt = compute_dtype(x.dtype)
 
     delta = process_dt(dt.to(cdt), None if dt_bias is None else dt_bias.to(cdt), dt_softplus, dt_limit)
@@ -85,13 +91,14 @@ def ssd_chunk_scan_ref(
     Ch = C.to(cdt).repeat_interleave(rep, dim=1)
 
     # Padding with delta = 0 and x = B = C = 0 makes the extra tokens an exact
-    # identity on the state (decay exp(0) = 1, zero input), so the last chunk
-    # needs no special casing and the final state is unaffected.
-    nchunks = -(-seqlen // chunk_size)
-    pad = nchunks * chunk_size - seqlen
+    # identity on the state (decay exp(0) = 1, zero input), so neither a first
+    # chunk that starts mid-grid nor the last chunk needs special casing, and
+    # the final state is unaffected.
+    nchunks = -(-(seqlen + chunk_phase) // chunk_size)
+    pad = nchunks * chunk_size - seqlen - chunk_phase
 
     def chunked(t: Tensor) -> Tensor:
-        t = F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad))
+        t = F.pad(t, (0, 0) * (t.dim() - 1) + (chunk_phase, pad))
         return t.reshape(nchunks, chunk_size, *t.shape[1:])
 
     xs, dts, Bs, Cs = chunked(xc), chunked(delta), chunked(Bh), chunked(Ch)
@@ -127,7 +134,7 @@ def ssd_chunk_scan_ref(
 
     # Off-diagonal: the carried-in state decayed to each position, read out by C.
     y = y + torch.einsum("cih,cihn,chpn->cihp", torch.exp(cum), Cs, prev)
-    y = y.reshape(nchunks * chunk_size, nheads, headdim)[:seqlen]
+    y = y.reshape(nchunks * chunk_size, nheads, headdim)[chunk_phase : chunk_phase + seqlen]
     if D is not None:
         y = y + D.to(cdt)[:, None] * xc
     if return_chunk_states:

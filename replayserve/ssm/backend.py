@@ -50,46 +50,53 @@ class SSMBackend(ABC):
 
     def prefill(
         self, layer: int, slot: int, xbc: torch.Tensor, dt: torch.Tensor, params: MambaParams,
-        captures: tuple[tuple[int, int], ...] = (),
+        captures: tuple[tuple[int, int], ...] = (), phase: int = 0,
     ) -> torch.Tensor:
         """Runs one sequence's prefill chunk from the state in `slot` and stores the state after it.
 
         xbc: (L, conv_dim) pre-conv inputs; dt: (L, H) raw time steps. Returns y (L, H, P). The
         stored state is canonical: both backends continue decode from it with empty history.
         captures: (offset, boundary slot) pairs, ascending: the state after the chunk's first
-        `offset` tokens (0 < offset <= L) is also written into that slot (prefix caching). Those on
-        the SSD chunk grid come out of one scan; one off the grid splits the chunk there.
+        `offset` tokens (0 < offset <= L) is also written into that slot (prefix caching).
+        phase: the chunk's first position modulo the SSD chunk size. Captures on the sequence's
+        chunk grid come out of one scan; one off the grid splits the chunk there.
         """
+        q, length = params.chunk_size, xbc.shape[0]
         pieces, begin, held = [], 0, []
         for offset, dst in captures:
             held.append((offset, dst))
-            if (offset - begin) % params.chunk_size:
+            if (phase + offset) % q and offset < length:
                 pieces.append((begin, offset, held))
                 begin, held = offset, []
-        pieces.append((begin, xbc.shape[0], held))
-        ys = [self._scan(layer, slot, xbc[lo:hi], dt[lo:hi], params, tuple((o - lo, d) for o, d in caps))
+        pieces.append((begin, length, held))
+        ys = [self._scan(layer, slot, xbc[lo:hi], dt[lo:hi], params, tuple((o - lo, d) for o, d in caps),
+                         (phase + lo) % q)
               for lo, hi, caps in pieces if hi > lo]
         return ys[0] if len(ys) == 1 else torch.cat(ys)
 
     def _scan(self, layer: int, slot: int, xbc: torch.Tensor, dt: torch.Tensor, params: MambaParams,
-              captures: tuple[tuple[int, int], ...]) -> torch.Tensor:
-        """One scan from `slot`'s state; captures at chunk-grid offsets or at the end."""
+              captures: tuple[tuple[int, int], ...], phase: int) -> torch.Tensor:
+        """One scan from `slot`'s state; captures on the chunk grid (`phase` as in `prefill`) or
+        at the end. The grid ones are written with one gather per state tensor."""
         conv_state, ssm_state = self.conv_state[layer], self.ssm_state[layer]
+        length = xbc.shape[0]
+        inner = [(o, d) for o, d in captures if o < length]
         # The conv state after `o` tokens is the K - 1 inputs before position o.
-        inputs = torch.cat([conv_state[slot].T, xbc]) if captures else None
+        inputs = torch.cat([conv_state[slot].T, xbc]) if inner else None
         xbc, conv_state[slot] = causal_conv1d_ref(xbc, params.conv_weight, params.conv_bias, conv_state[slot])
         x, b, c = self.layout.split_xbc(xbc)
         y, ssm_state[slot], *grid = ssd_chunk_scan_ref(
             x, dt, params.A, b, c, params.chunk_size, D=params.D, dt_bias=params.dt_bias,
-            dt_limit=params.dt_limit, initial_state=ssm_state[slot], return_chunk_states=bool(captures),
+            dt_limit=params.dt_limit, initial_state=ssm_state[slot], return_chunk_states=bool(inner),
+            chunk_phase=phase if inner else 0,
         )
-        width = conv_state.shape[-1]
-        for offset, dst in captures:
-            if offset == xbc.shape[0]:
-                self.copy_canonical(layer, slot, dst)
-            else:
-                conv_state[dst] = inputs[offset : offset + width].T
-                ssm_state[dst] = grid[0][offset // params.chunk_size]
+        if inner:
+            offsets, dst = zip(*inner, strict=True)
+            dst_t = torch.tensor(dst, dtype=torch.int64, device=ssm_state.device)
+            conv_state[dst_t] = inputs.unfold(0, conv_state.shape[-1], 1)[list(offsets)]
+            ssm_state[dst_t] = grid[0][[(phase + o) // params.chunk_size for o in offsets]]
+        if captures and captures[-1][0] == length:
+            self.copy_canonical(layer, slot, captures[-1][1])
         return y
 
     def copy_canonical(self, layer: int, src: int, dst: int) -> None:

@@ -112,6 +112,29 @@ def test_constructed_workload_hits_the_expected_blocks(tiny_model_dir: Path, bac
     assert_pools_full(llm)
 
 
+@pytest.mark.parametrize("backend", ["baseline", "replay"])
+def test_align_keeps_the_last_grid_point_and_a_branch_point_without_stopping(tiny_model_dir: Path,
+                                                                               backend: str) -> None:
+    """On a grid of 8 tokens, every prompt below prefills in one step, and the states at its last
+    grid point and at a branch point are kept all the same: later requests hit them."""
+    llm = _llm(tiny_model_dir, backend, "align", mamba_block_size=8)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def run(prompt: list[int]) -> tuple[float, float]:
+        llm.generate([{"prompt_token_ids": prompt}], one, use_tqdm=False)
+        m = llm.get_metrics()
+        return m["num_steps"], m["prefix_cache_hits"]
+
+    assert run(SYSTEM[:12] + _tokens(2, 8)) == (1, 0)  # 14 tokens: the state at 8 is kept
+    assert run(SYSTEM[:12] + _tokens(3, 9)) == (2, 8)
+    head = _tokens(12, 20)
+    assert run(head + _tokens(6, 21)) == (3, 8)  # no state at 8 for this head: only 16 is kept
+    # KV matches 8 tokens but no state does: a branch point at 8, kept in passing.
+    assert run(head[:10] + _tokens(10, 22)) == (4, 8)
+    assert run(head[:10] + _tokens(11, 23)) == (5, 16)
+    assert_pools_full(llm)
+
+
 def test_a_request_never_hits_its_whole_prompt(tiny_model_dir: Path) -> None:
     llm = _llm(tiny_model_dir, "baseline", "all")
     prompt = {"prompt_token_ids": SYSTEM[:16]}  # exactly 4 blocks

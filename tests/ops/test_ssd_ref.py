@@ -87,6 +87,24 @@ def test_chunk_scan_matches_recurrence(shape: tuple[int, ...], seqlen: int, chun
     assert rel_err(final, final_exp) < TOL
 
 
+@pytest.mark.parametrize(("seqlen", "phase"), [(40, 5), (11, 15), (16, 1), (3, 9)])
+def test_chunk_phase_keeps_the_grid_of_the_whole_sequence(seqlen: int, phase: int) -> None:
+    """A chunk starting `phase` tokens past a grid point: outputs and final state unchanged, and
+    grid entry c is the state after the first c * chunk_size - phase tokens."""
+    chunk = 16
+    inp = make_inputs(seqlen, SHAPES[0], seed=seqlen + 7 * phase)
+    y, final, grid = scan(inp, chunk, return_chunk_states=True, chunk_phase=phase)
+    y_exp, final_exp = recurrence(inp)
+    assert rel_err(y, y_exp) < TOL and rel_err(final, final_exp) < TOL
+    assert grid.shape[0] == -(-(seqlen + phase) // chunk)
+    assert rel_err(grid[0], inp["initial_state"]) == 0
+    for c in range(1, grid.shape[0]):
+        head = {k: v[: c * chunk - phase] if v.dim() > 1 and k != "initial_state" else v for k, v in inp.items()}
+        assert rel_err(grid[c], recurrence(head)[1]) < TOL
+    with pytest.raises(ValueError, match="chunk_phase"):
+        scan(inp, chunk, chunk_phase=chunk)
+
+
 def test_chunk_scan_defaults_zero_state_no_skip() -> None:
     inp = make_inputs(19, SHAPES[0], seed=5)
     inp["dt"] = inp["dt"].abs()
