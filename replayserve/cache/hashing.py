@@ -70,9 +70,9 @@ def _digest(parent: BlockHash, tokens: Sequence[int], extra: bytes) -> BlockHash
     if not isinstance(parent, bytes) or len(parent) != 32:
         raise ValueError(f"parent must be a 32-byte block hash, got {parent!r}")
     ids = [operator.index(t) for t in tokens]
-    for t in ids:
-        if not 0 <= t < _MAX_TOKEN:
-            raise ValueError(f"token id {t} is out of range: ids must be in [0, 2**63)")
+    if ids and not (0 <= min(ids) and max(ids) < _MAX_TOKEN):
+        bad = next(t for t in ids if not 0 <= t < _MAX_TOKEN)
+        raise ValueError(f"token id {bad} is out of range: ids must be in [0, 2**63)")
     h = hashlib.sha256(_DOMAIN)
     h.update(parent)
     h.update(_U64.pack(len(ids)))

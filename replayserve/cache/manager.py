@@ -66,12 +66,10 @@ class CacheMetrics:
 
 @dataclass
 class _Owned:
-    """One request's holdings: its block table, the hashes of its full blocks, and how many
-    leading blocks are known to be published (hit blocks count)."""
+    """One request's holdings: its block table and how many leading blocks are known to be
+    published (hit blocks count)."""
 
     table: list[int] = field(default_factory=list)
-    keys: list[BlockKey] = field(default_factory=list)
-    hashes: list[BlockHash] = field(default_factory=list)
     published: int = 0
 
 
@@ -95,14 +93,14 @@ class CacheManager:
         self.metrics = CacheMetrics()
 
     # -- hashing -------------------------------------------------------------------------------
-    def _hashed(self, request: Request, owned: _Owned | None = None) -> tuple[list[BlockKey], list[BlockHash]]:
-        """Keys and hashes of the request's full blocks, extended incrementally as it grows."""
+    def _hashed(self, request: Request) -> tuple[list[BlockKey], list[BlockHash]]:
+        """Keys and hashes of the request's full blocks, kept on the request and extended as it
+        grows, so a prompt is hashed once (lookups while it waits and admission share them)."""
         tokens = request.all_token_ids
-        if owned is None:
-            return block_keys(tokens, self.block_size, request.extra_keys)
-        if len(owned.hashes) < len(tokens) // self.block_size:
-            owned.keys, owned.hashes = block_keys(tokens, self.block_size, request.extra_keys, owned.hashes)
-        return owned.keys, owned.hashes
+        if len(request.block_hashes) < len(tokens) // self.block_size:
+            request.block_keys, request.block_hashes = block_keys(tokens, self.block_size, request.extra_keys,
+                                                                  request.block_hashes)
+        return request.block_keys, request.block_hashes
 
     # -- lookup --------------------------------------------------------------------------------
     def find_hit(self, request: Request) -> PrefixHit:
@@ -155,7 +153,7 @@ class CacheManager:
             self.states.acquire([hit.state_slot])
         self.owned[request.request_id] = owned
         if self.enable_caching:
-            self._hashed(request, owned)
+            self._hashed(request)
             self.metrics.queries += request.num_tokens
             self.metrics.hits += hit.num_tokens
             self.metrics.attention_hits += hit.attention_tokens
@@ -196,7 +194,7 @@ class CacheManager:
         if self.states is None:
             return []
         grid, end = self.state_block, start + num_tokens
-        keys, hashes = self._hashed(request, self.owned[request.request_id])
+        keys, hashes = self._hashed(request)
         if every:
             points = range((start // grid + 1) * grid, end + 1, grid)
         else:
@@ -216,7 +214,7 @@ class CacheManager:
         the runner has written by now; a state some other request published first is dropped."""
         owned = self.owned[request.request_id] if self.enable_caching else None
         if owned is not None and request.num_computed_tokens // self.block_size > owned.published:
-            keys, hashes = self._hashed(request, owned)
+            keys, hashes = self._hashed(request)
             full = min(request.num_computed_tokens // self.block_size, len(hashes))
             for i in range(owned.published, full):
                 self.metrics.published_blocks += self.kv.publish(owned.table[i], hashes[i], keys[i])
@@ -226,7 +224,7 @@ class CacheManager:
             if w.position <= request.num_computed_tokens:
                 h, key = w.block_hash, w.key
                 if h is None:  # the block ended in accepted drafts, known by now
-                    keys, hashes = self._hashed(request, self.owned[request.request_id])
+                    keys, hashes = self._hashed(request)
                     h, key = hashes[w.position // self.block_size - 1], keys[w.position // self.block_size - 1]
                 self.metrics.published_states += self.states.publish(w.slot, h, key)
             self.states.release([w.slot])

@@ -71,6 +71,10 @@ class Request:
     text: str = ""
     # Prefix-cache keys besides the tokens (e.g. a cache salt): requests share blocks only when equal.
     extra_keys: tuple = ()
+    # Prefix cache: keys and chained hashes of the full blocks of all_token_ids so far, extended as
+    # the request grows (tokens are only ever appended, so they stay valid across preemption).
+    block_keys: list = field(default_factory=list)
+    block_hashes: list = field(default_factory=list)
     # mamba_cache_mode='align': a grid point where the prefill must keep a state (a branch point).
     branch_point: int | None = None
 

@@ -135,6 +135,20 @@ def test_align_keeps_the_last_grid_point_and_a_branch_point_without_stopping(tin
     assert_pools_full(llm)
 
 
+def test_every_block_is_hashed_once(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lookups while a request waits, its admission and its growth share one chain of hashes."""
+    import replayserve.cache.hashing as hashing
+
+    calls: list[int] = []
+    digest = hashing._digest
+    monkeypatch.setattr(hashing, "_digest", lambda *a: calls.append(1) or digest(*a))
+    llm = _llm(tiny_model_dir, "baseline", "all", max_num_seqs=1)
+    prompts = [{"prompt_token_ids": _tokens(22, 30 + i)} for i in range(3)]  # two wait behind the first
+    llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert len(calls) == 3 * ((22 + GREEDY.max_tokens) // BS)  # 34 tokens each: 8 full blocks
+    assert_pools_full(llm)
+
+
 def test_a_request_never_hits_its_whole_prompt(tiny_model_dir: Path) -> None:
     llm = _llm(tiny_model_dir, "baseline", "all")
     prompt = {"prompt_token_ids": SYSTEM[:16]}  # exactly 4 blocks
