@@ -96,10 +96,9 @@ class CacheManager:
     def _hashed(self, request: Request) -> tuple[list[BlockKey], list[BlockHash]]:
         """Keys and hashes of the request's full blocks, kept on the request and extended as it
         grows, so a prompt is hashed once (lookups while it waits and admission share them)."""
-        tokens = request.all_token_ids
-        if len(request.block_hashes) < len(tokens) // self.block_size:
-            request.block_keys, request.block_hashes = block_keys(tokens, self.block_size, request.extra_keys,
-                                                                  request.block_hashes)
+        if len(request.block_hashes) < request.num_tokens // self.block_size:  # no token list built per step
+            request.block_keys, request.block_hashes = block_keys(request.all_token_ids, self.block_size,
+                                                                  request.extra_keys, request.block_hashes)
         return request.block_keys, request.block_hashes
 
     # -- lookup --------------------------------------------------------------------------------
