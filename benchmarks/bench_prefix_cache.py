@@ -59,34 +59,48 @@ def prompts(n: int, prefix: int, suffix: int, shared: bool, vocab: int, seed: in
 
 def run_wave(llm: LLM, wave: list[list[int]], max_tokens: int) -> tuple[list[float], float, list[list[int]]]:
     """TTFTs (s), wall time (s) and outputs of one wave submitted at once, served alone."""
-    return run_lockstep({None: llm}, wave, max_tokens)[None]
+    return run_lockstep({None: llm}, wave, max_tokens)[None][:3]
 
 
 def run_lockstep(llms: dict, wave: list[list[int]], max_tokens: int) -> dict:
-    """Every engine serves the wave, one step each in turn: {key: (TTFTs, clock, outputs)}, where
-    an engine's clock is the sum of its own step times (each step ends with a device sync, so no
-    work of one engine runs into another's step)."""
+    """Every engine serves the wave, one step each in turn: {key: (TTFTs, clock, outputs, split)},
+    where an engine's clock is the sum of its own step times (each step ends with a device sync,
+    so no work of one engine runs into another's step) and split is (prefill steps, prefill
+    seconds, decode seconds): a step is a prefill step when any request still has prompt left.
+    The garbage collector is off while the wave runs: its pauses would land on whichever
+    engine's step they hit."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     device = next(iter(llms.values())).config.device
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     requests = {k: [llm.engine.add_request(p, params) for p in wave] for k, llm in llms.items()}
     clock = dict.fromkeys(llms, 0.0)
+    split = {k: [0, 0.0, 0.0] for k in llms}
     first: dict = {k: {} for k in llms}
     active, turn = list(llms), 0
+    gc.collect()
+    gc.disable()
     sync()
-    while active:
-        for k in active[turn % len(active):] + active[: turn % len(active)]:
-            t0 = time.perf_counter()
-            llms[k].engine.step()
-            sync()
-            clock[k] += time.perf_counter() - t0
-            for r in requests[k]:
-                if r.output_token_ids and r.request_id not in first[k]:
-                    first[k][r.request_id] = clock[k]
-        active = [k for k in active if llms[k].engine.has_unfinished()]
-        turn += 1
-    return {k: ([first[k][r.request_id] for r in requests[k]], clock[k], [r.output_token_ids for r in requests[k]])
-            for k in llms}
+    try:
+        while active:
+            for k in active[turn % len(active):] + active[: turn % len(active)]:
+                scheduler = llms[k].engine.scheduler
+                prefill = bool(scheduler.waiting) or any(not r.decoding for r in scheduler.running)
+                t0 = time.perf_counter()
+                llms[k].engine.step()
+                sync()
+                took = time.perf_counter() - t0
+                clock[k] += took
+                split[k][0] += prefill
+                split[k][1 if prefill else 2] += took
+                for r in requests[k]:
+                    if r.output_token_ids and r.request_id not in first[k]:
+                        first[k][r.request_id] = clock[k]
+            active = [k for k in active if llms[k].engine.has_unfinished()]
+            turn += 1
+    finally:
+        gc.enable()
+    return {k: ([first[k][r.request_id] for r in requests[k]], clock[k], [r.output_token_ids for r in requests[k]],
+                tuple(split[k])) for k in llms}
 
 
 def twin(records: list[dict], r: dict, caching: str, mode: str) -> dict:
@@ -128,23 +142,27 @@ def main() -> None:
         run_wave(llm, prompts(1, args.prefix, args.suffix, True, vocab, seed=1), 2)
     records = []
     for shared in [w == "shared" for w in args.workloads]:
-        samples: dict[tuple, list[tuple[float, float]]] = {c: [] for c in configs}
+        samples: dict[tuple, list[tuple[float, float, tuple]]] = {c: [] for c in configs}
         outputs: dict[tuple, list[list[int]]] = {c: [] for c in configs}
         before = {c: engines[c].get_metrics() for c in configs}
         for rep in range(args.repeats):
             wave = prompts(args.requests, args.prefix, args.suffix, shared, vocab, seed=2 + rep)
             order = configs[rep % len(configs):] + configs[: rep % len(configs)]
-            gc.collect()
-            for c, (ttft, clock, outs) in run_lockstep({c: engines[c] for c in order}, wave, args.max_tokens).items():
-                samples[c].append((statistics.mean(ttft), clock))
+            for c, (ttft, clock, outs, split) in run_lockstep({c: engines[c] for c in order}, wave,
+                                                              args.max_tokens).items():
+                samples[c].append((statistics.mean(ttft), clock, split))
                 outputs[c] += outs
         for c in configs:
             m, m0 = engines[c].get_metrics(), before[c]
             queries = m["prefix_cache_queries"] - m0["prefix_cache_queries"]
             hits = m["prefix_cache_hits"] - m0["prefix_cache_hits"]
-            walls = [w for _, w in samples[c]]
+            walls = [w for _, w, _ in samples[c]]
+            splits = [s for _, _, s in samples[c]]
             records.append({"backend": c[0], "caching": c[1], "mode": c[2], "shared": shared,
-                            "ttft_mean_ms": 1e3 * statistics.median(t for t, _ in samples[c]),
+                            "ttft_mean_ms": 1e3 * statistics.median(t for t, _, _ in samples[c]),
+                            "prefill_steps": statistics.median(s[0] for s in splits),
+                            "prefill_ms": 1e3 * statistics.median(s[1] for s in splits),
+                            "decode_ms": 1e3 * statistics.median(s[2] for s in splits),
                             "tok_s": args.requests * args.max_tokens / statistics.median(walls), "walls": walls,
                             "hit_rate": hits / queries if queries else 0.0, "outputs": outputs[c]})
         print(f"done shared={shared}", file=sys.stderr, flush=True)
@@ -152,15 +170,16 @@ def main() -> None:
           f"model {args.size}, {args.dtype} on {args.device}, block {args.block_size}; "
           f"medians of {args.repeats} rounds")
     print("| prefix | backend | caching | mamba_cache_mode | hit rate | TTFT (ms) | tok/s | tok/s vs off | "
-          "vs none (paired) | same tokens |")
-    print("|---|---|---|---|---:|---:|---:|---:|---:|---|")
+          "vs none (paired) | prefill steps | prefill / decode ms | same tokens |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in records:
         base, none = twin(records, r, "off", "none"), twin(records, r, "on", "none")
         paired = statistics.median(n / w for n, w in zip(none["walls"], r["walls"], strict=True))
         same = r["outputs"] == base["outputs"]
         print(f"| {'shared' if r['shared'] else 'unique'} | {r['backend']} | {r['caching']} | {r['mode']} | "
               f"{r['hit_rate']:.0%} | {r['ttft_mean_ms']:.1f} | {r['tok_s']:.0f} | "
-              f"{r['tok_s'] / base['tok_s']:.2f}x | {paired:.3f}x | {'yes' if same else 'NO'} |")
+              f"{r['tok_s'] / base['tok_s']:.2f}x | {paired:.3f}x | {r['prefill_steps']:.0f} | "
+              f"{r['prefill_ms']:.0f} / {r['decode_ms']:.0f} | {'yes' if same else 'NO'} |")
     if args.out:
         args.out.write_text(json.dumps([{k: v for k, v in r.items() if k != "outputs"} for r in records], indent=2))
 

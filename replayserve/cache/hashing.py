@@ -97,6 +97,7 @@ def block_keys(
     block_size: int,
     extra_keys: tuple = (),
     known: Sequence[BlockHash] = (),
+    known_keys: Sequence[BlockKey] = (),
 ) -> tuple[list[BlockKey], list[BlockHash]]:
     """Keys and chained hashes of every FULL block of token_ids (a trailing partial block is left out).
 
@@ -106,13 +107,16 @@ def block_keys(
         extra_keys: mixed into every block's hash (adapter id, cache salt, ...).
         known: hashes already computed for the first len(known) blocks (incremental extension when a
             request grows); those blocks are not rehashed.
+        known_keys: keys already built for the first len(known_keys) <= len(known) blocks; reused,
+            so extending a long sequence by a block builds one key, not one per block.
 
     Returns:
-        (keys, hashes), one entry per full block; keys for the known blocks are rebuilt from token_ids
-        and the known parents.
+        (keys, hashes), one entry per full block; keys for known blocks without a known key are
+        rebuilt from token_ids and the known parents.
 
     Raises:
-        ValueError: block_size < 1, or `known` has more entries than token_ids has full blocks.
+        ValueError: block_size < 1, `known` has more entries than token_ids has full blocks, or
+            `known_keys` more than `known`.
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -122,11 +126,13 @@ def block_keys(
             f"known has {len(known)} hashes but {len(token_ids)} tokens hold only {num_blocks} full blocks "
             f"of {block_size}"
         )
+    if len(known_keys) > len(known):
+        raise ValueError(f"known_keys has {len(known_keys)} keys but known only {len(known)} hashes")
     extra = _encode_extra_keys(extra_keys)
-    keys: list[BlockKey] = []
+    keys: list[BlockKey] = list(known_keys)
     hashes: list[BlockHash] = list(known)
-    parent = ROOT_HASH
-    for i in range(num_blocks):
+    parent = hashes[len(keys) - 1] if keys else ROOT_HASH
+    for i in range(len(keys), num_blocks):
         tokens = tuple(token_ids[i * block_size : (i + 1) * block_size])
         keys.append(BlockKey(parent, tokens, extra_keys))
         if i >= len(known):

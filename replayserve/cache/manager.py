@@ -97,8 +97,8 @@ class CacheManager:
         """Keys and hashes of the request's full blocks, kept on the request and extended as it
         grows, so a prompt is hashed once (lookups while it waits and admission share them)."""
         if len(request.block_hashes) < request.num_tokens // self.block_size:  # no token list built per step
-            request.block_keys, request.block_hashes = block_keys(request.all_token_ids, self.block_size,
-                                                                  request.extra_keys, request.block_hashes)
+            request.block_keys, request.block_hashes = block_keys(
+                request.all_token_ids, self.block_size, request.extra_keys, request.block_hashes, request.block_keys)
         return request.block_keys, request.block_hashes
 
     # -- lookup --------------------------------------------------------------------------------
@@ -190,14 +190,16 @@ class CacheManager:
         every grid boundary crossed (``every``, mode ``all``) or the one the step ends on and the
         grid points in ``also`` (``align``). Boundaries already cached are skipped; so are those
         no free slot can take."""
-        if self.states is None:
-            return []
         grid, end = self.state_block, start + num_tokens
-        keys, hashes = self._hashed(request)
+        if self.states is None or end // grid == start // grid:  # no grid point in (start, end]
+            return []
         if every:
             points = range((start // grid + 1) * grid, end + 1, grid)
         else:
             points = sorted({p for p in (*also, end) if start < p <= end and p % grid == 0})
+        if not points:
+            return []
+        keys, hashes = self._hashed(request)
         writes = []
         for b in points:
             k = b // self.block_size  # the attention block ending at b keys the state

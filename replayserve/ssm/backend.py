@@ -43,6 +43,7 @@ class SSMBackend(ABC):
 
     def _init_step_state(self) -> None:
         self.spec_states, self._windows, self._accepted = [], {}, None
+        self._capture_indices: dict[tuple, torch.Tensor] = {}
 
     @abstractmethod
     def reset_slots(self, slots: torch.Tensor) -> None:
@@ -91,13 +92,27 @@ class SSMBackend(ABC):
             chunk_phase=phase if inner else 0,
         )
         if inner:
-            offsets, dst = zip(*inner, strict=True)
-            dst_t = torch.tensor(dst, dtype=torch.int64, device=ssm_state.device)
-            conv_state[dst_t] = inputs.unfold(0, conv_state.shape[-1], 1)[list(offsets)]
-            ssm_state[dst_t] = grid[0][[(phase + o) // params.chunk_size for o in offsets]]
+            dst, window, entry = self._capture_index(tuple(inner), phase, params.chunk_size, ssm_state.device)
+            conv_state[dst] = inputs.unfold(0, conv_state.shape[-1], 1)[window]
+            ssm_state[dst] = grid[0][entry]
         if captures and captures[-1][0] == length:
             self.copy_canonical(layer, slot, captures[-1][1])
         return y
+
+    def _capture_index(self, captures: tuple[tuple[int, int], ...], phase: int, chunk_size: int,
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(boundary slots, conv window starts, chunk-grid entries) of in-scan captures, (M,) each.
+        Every Mamba layer of a step asks for the same ones: one host-to-device copy serves them
+        all (keyed by content, so an entry never goes stale)."""
+        key = (captures, phase, chunk_size)
+        index = self._capture_indices.get(key)
+        if index is None:
+            if len(self._capture_indices) >= 1024:
+                self._capture_indices.clear()
+            rows = [[d for _, d in captures], [o for o, _ in captures],
+                    [(phase + o) // chunk_size for o, _ in captures]]
+            index = self._capture_indices[key] = torch.tensor(rows, dtype=torch.int64, device=device)
+        return index[0], index[1], index[2]
 
     def copy_canonical(self, layer: int, src: int, dst: int) -> None:
         """One layer's conv and SSM state of slot `src` into `dst` (src holds canonical state)."""

@@ -198,3 +198,17 @@ def test_block_size_one_hashes_every_token() -> None:
 def test_block_size_below_one_raises(block_size: int) -> None:
     with pytest.raises(ValueError, match="block_size"):
         block_keys(TOKENS, block_size)
+
+
+def test_known_keys_are_reused_and_the_rest_built() -> None:
+    fresh_keys, fresh_hashes = block_keys(TOKENS, 4, ("s",))
+    short_keys, short_hashes = block_keys(TOKENS[:12], 4, ("s",))
+    keys, hashes = block_keys(TOKENS, 4, ("s",), known=short_hashes, known_keys=short_keys[:2])
+    assert (keys, hashes) == (fresh_keys, fresh_hashes)
+    assert all(k is s for k, s in zip(keys[:2], short_keys, strict=False))  # reused, not rebuilt
+
+
+def test_more_known_keys_than_hashes_raises() -> None:
+    keys, hashes = block_keys(TOKENS[:8], 4)
+    with pytest.raises(ValueError, match="known_keys"):
+        block_keys(TOKENS, 4, known=hashes[:1], known_keys=keys)
