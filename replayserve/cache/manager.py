@@ -151,8 +151,7 @@ class CacheManager:
             assert self.states is not None
             self.states.acquire([hit.state_slot])
         self.owned[request.request_id] = owned
-        if self.enable_caching:
-            self._hashed(request)
+        if self.enable_caching:  # find_hit hashed the prompt already
             self.metrics.queries += request.num_tokens
             self.metrics.hits += hit.num_tokens
             self.metrics.attention_hits += hit.attention_tokens

@@ -205,7 +205,7 @@ def test_known_keys_are_reused_and_the_rest_built() -> None:
     short_keys, short_hashes = block_keys(TOKENS[:12], 4, ("s",))
     keys, hashes = block_keys(TOKENS, 4, ("s",), known=short_hashes, known_keys=short_keys[:2])
     assert (keys, hashes) == (fresh_keys, fresh_hashes)
-    assert all(k is s for k, s in zip(keys[:2], short_keys, strict=False))  # reused, not rebuilt
+    assert all(k is s for k, s in zip(keys[:2], short_keys[:2], strict=True))  # reused, not rebuilt
 
 
 def test_more_known_keys_than_hashes_raises() -> None:
