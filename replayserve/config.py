@@ -276,6 +276,8 @@ class EngineConfig:
     # Grid of cached Mamba states, a multiple of block_size; default lcm(block_size, chunk_size).
     mamba_block_size: int | None = None
     speculative: SpeculativeConfig | None = None
+    # CUDA only: run every step eagerly instead of replaying CUDA graphs of decode steps.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         def fail(option: str, why: str) -> None:

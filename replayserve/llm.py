@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,8 @@ from replayserve.engine.engine import Engine
 from replayserve.engine.request import Request, SamplingParams
 from replayserve.models.loader import load_model
 from replayserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 Prompt = str | dict[str, Any]
 
@@ -40,12 +43,15 @@ class LLM:
     enable_prefix_caching: reuse the KV blocks and Mamba states of cached prompt prefixes.
     mamba_cache_mode: which Mamba states are kept for prefix hits: "none" (none, so a hybrid
     model never hits), "align" (where a step ends on a block boundary; prefill chunks end on
-    them) or "all" (at every block boundary); needs enable_prefix_caching.
+    them) or "all" (at every block boundary); needs enable_prefix_caching. Left out (None), it
+    is "align" when prefix caching is on and the model has Mamba layers (logged), else "none".
     num_mamba_cache_slots: state slots for cached boundary states (default max_num_seqs).
     mamba_block_size: tokens between cached Mamba states, a multiple of block_size (default
     lcm(block_size, the model's SSD chunk size)); prefix hits are multiples of it.
     speculative: {"method": "ngram" | "custom", "num_speculative_tokens": k, ...} (see
     `SpeculativeConfig`): decode rows verify up to k proposed tokens per step, losslessly.
+    enforce_eager: on CUDA, run decode steps eagerly instead of replaying a CUDA graph per padded
+    batch size (1, 2, 4, 8, multiples of 16 up to max_num_seqs; captured on first use).
     """
 
     def __init__(
@@ -61,21 +67,30 @@ class LLM:
         ssm_backend: str = "baseline",
         replay_window: int = 16,
         enable_prefix_caching: bool = False,
-        mamba_cache_mode: str = "none",
+        mamba_cache_mode: str | None = None,
         num_mamba_cache_slots: int | None = None,
         mamba_block_size: int | None = None,
         speculative: dict | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if dtype == "auto":
             dtype = "bfloat16" if device.startswith("cuda") else "float32"
+        model_config = ModelConfig.from_dir(model)
+        if mamba_cache_mode is None:
+            hybrid = enable_prefix_caching and model_config.num_mamba_layers > 0
+            mamba_cache_mode = "align" if hybrid else "none"
+            if hybrid:
+                logger.info("prefix caching: mamba_cache_mode='align' (the model has Mamba layers; "
+                            "'none' would never hit)")
         self.config = EngineConfig(
-            model=ModelConfig.from_dir(model), dtype=dtype, device=device, max_num_seqs=max_num_seqs,
+            model=model_config, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, block_size=block_size,
             num_kv_blocks=num_kv_blocks, ssm_backend=ssm_backend, replay_window=replay_window,
             enable_prefix_caching=enable_prefix_caching, mamba_cache_mode=mamba_cache_mode,
             num_mamba_cache_slots=num_mamba_cache_slots, mamba_block_size=mamba_block_size,
             speculative=None if speculative is None else SpeculativeConfig.from_dict(speculative),
+            enforce_eager=enforce_eager,
         )
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("engine option device: 'cuda' was asked for but torch sees no CUDA device")
@@ -119,8 +134,10 @@ class LLM:
         ids = [self._prompt_ids(p) for p in prompts]
         for prompt_ids, p in zip(ids, all_params, strict=True):
             self.engine.validate(prompt_ids, p)
-        requests = [self.engine.add_request(i, p, cache_salt) for i, p in zip(ids, all_params, strict=True)]
+        requests: list[Request] = []
         try:
+            for prompt_ids, p in zip(ids, all_params, strict=True):
+                requests.append(self.engine.add_request(prompt_ids, p, cache_salt))
             with tqdm(total=len(requests), disable=not use_tqdm or len(requests) < 2, desc="requests") as bar:
                 while self.engine.has_unfinished():
                     bar.update(len(self.engine.step()))

@@ -91,6 +91,10 @@ class CacheManager:
                        if enable_caching and has_mamba and num_state_slots else None)
         self.owned: dict[str, _Owned] = {}
         self.metrics = CacheMetrics()
+        # Boundary-slot references the step being planned or run holds (planned writes, hit states
+        # to copy): each is dropped once, when published or released, and `end_step` drops the rest,
+        # so a step that raises anywhere cannot leak one or drop one twice.
+        self._step_refs: list[int] = []
 
     # -- hashing -------------------------------------------------------------------------------
     def _hashed(self, request: Request) -> tuple[list[BlockKey], list[BlockHash]]:
@@ -141,8 +145,8 @@ class CacheManager:
         return self.live.num_free > 0 and need <= self.kv.num_free
 
     def admit(self, request: Request, hit: PrefixHit, num_tokens: int) -> int:
-        """Takes the hit's blocks (and its state slot, until ``release_copy_sources``), grows the
-        table to ``num_tokens`` positions and returns the request's new live slot."""
+        """Takes the hit's blocks (and its state slot, until ``end_step``), grows the table to
+        ``num_tokens`` positions and returns the request's new live slot."""
         owned = _Owned(published=len(hit.kv_blocks))
         self.kv.acquire(hit.kv_blocks)
         owned.table = list(hit.kv_blocks)
@@ -150,6 +154,7 @@ class CacheManager:
         if hit.state_slot is not None:
             assert self.states is not None
             self.states.acquire([hit.state_slot])
+            self._step_refs.append(hit.state_slot)
         self.owned[request.request_id] = owned
         if self.enable_caching:  # find_hit hashed the prompt already
             self.metrics.queries += request.num_tokens
@@ -158,11 +163,16 @@ class CacheManager:
             self.metrics.mamba_hits += hit.mamba_tokens
         return self.live.allocate()[0]
 
-    def release_copy_sources(self, slots: list[int]) -> None:
-        """Drops the references ``admit`` took on hit states, once they are copied."""
-        if slots:
-            assert self.states is not None
-            self.states.release(slots)
+    def _drop_step_ref(self, slot: int) -> None:
+        assert self.states is not None
+        self._step_refs.remove(slot)  # forgotten first: an interrupt here leaks, never double-frees
+        self.states.release([slot])
+
+    def end_step(self) -> None:
+        """Drops every boundary-slot reference the step still holds: the hit states it copied and
+        planned writes that were not published (the step ended or raised)."""
+        while self._step_refs:
+            self._drop_step_ref(self._step_refs[-1])
 
     def can_grow(self, request_id: str, num_tokens: int) -> bool:
         return self._new_blocks(len(self.owned[request_id].table), num_tokens) <= self.kv.num_free
@@ -206,6 +216,7 @@ class CacheManager:
             if self.states.num_free == 0 or (known and self.states.lookup(hashes[k - 1], keys[k - 1]) is not None):
                 continue
             slot = self.states.allocate()[0]
+            self._step_refs.append(slot)
             writes.append(BoundaryWrite(b, slot, *(hashes[k - 1], keys[k - 1]) if known else (None, None)))
         return writes
 
@@ -227,16 +238,12 @@ class CacheManager:
                     keys, hashes = self._hashed(request)
                     h, key = hashes[w.position // self.block_size - 1], keys[w.position // self.block_size - 1]
                 self.metrics.published_states += self.states.publish(w.slot, h, key)
-            self.states.release([w.slot])
-
-    def drop_writes(self, writes: tuple[BoundaryWrite, ...]) -> None:
-        """Frees the slots of planned boundary writes without publishing them."""
-        if writes:
-            assert self.states is not None
-            self.states.release([w.slot for w in writes])
+            self._drop_step_ref(w.slot)
 
     def check(self) -> None:
         """Raises AssertionError unless the pools agree with the requests' holdings."""
+        if self._step_refs:
+            raise AssertionError(f"boundary slots {self._step_refs} are still held by a step that ended")
         self.kv.check()
         counts: dict[int, int] = {}
         for owned in self.owned.values():

@@ -25,6 +25,11 @@ class StepContext:
     prefill_captures: per prefill sequence, (offset, boundary slot) pairs: the state after the
         chunk's first `offset` tokens is copied there (prefix caching); empty when caching is off.
     prefill_starts: per prefill sequence, the absolute position of its first token (host).
+    uniform_decode: W > 0 when every sequence is a decode row of W tokens whose block table has
+        no -1 and whose slots are valid (padded rows point at a pad block and a pad state slot):
+        layers then take their fixed-shape paths, which a CUDA graph can capture; 0 otherwise.
+    decode_num_tokens: with uniform_decode, (S,) int32 real tokens of each row (<= W; the rest
+        are padding whose outputs are dropped).
     """
 
     positions: torch.Tensor
@@ -38,6 +43,8 @@ class StepContext:
     state_slot_list: tuple[int, ...]
     prefill_captures: tuple[tuple[tuple[int, int], ...], ...] = ()
     prefill_starts: tuple[int, ...] = ()
+    uniform_decode: int = 0
+    decode_num_tokens: torch.Tensor | None = None
 
     @property
     def decode_lens(self) -> tuple[int, ...]:

@@ -11,6 +11,7 @@ from replayserve.cache.manager import CacheManager
 from replayserve.config import EngineConfig
 from replayserve.engine.request import Request, SamplingParams, Status
 from replayserve.engine.runner import Runner
+from replayserve.engine.sampler import SampleResult
 from replayserve.engine.scheduler import Scheduler
 from replayserve.models.nemotron_h import NemotronHForCausalLM
 from replayserve.spec.factory import make_proposer
@@ -58,6 +59,11 @@ class Engine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer; the model directory has no tokenizer.json")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"SamplingParams.logprobs={params.logprobs} is more than the vocabulary's {vocab} tokens")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"SamplingParams.stop_token_ids must be < the vocabulary size {vocab}, "
+                             f"got {list(params.stop_token_ids)}")
 
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
@@ -88,61 +94,87 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[Request]:
-        """Runs one step; returns the requests that finished in it."""
+        """Runs one step; returns the requests that finished in it.
+
+        A step either completes or changes nothing a request can see: if anything raises (the
+        forward, sampling, stop rules, publishing, an interrupt), the tokens it appended are taken
+        back, seeded generators rewind, and its running requests are preempted (their states may
+        be half-written; they recompute when readmitted) with every block and slot returned."""
         plan = self.scheduler.schedule()
         if not plan.seqs:
             raise RuntimeError("the scheduler planned an empty step with requests pending")
         sampling = [self.scheduler.unfinished[s.request_id] for s in plan.seqs if s.sample]
+        generators = [self._generators.get(r.request_id) for r in sampling]
+        rewind = [(g, g.get_state()) for g in generators if g is not None]
+        lengths = [(len(r.output_token_ids), len(r.output_logprobs)) for r in sampling]
+        num_generated = self.num_generated_tokens
         try:
-            results = self.runner.execute(
-                plan, [r.params for r in sampling], [self._generators.get(r.request_id) for r in sampling]
-            )
+            results = self.runner.execute(plan, [r.params for r in sampling], generators)
+            outcomes = [self._outcome(r, res) for r, res in zip(sampling, results, strict=True)]
+            for request, (tokens, logprobs, _, _) in zip(sampling, outcomes, strict=True):
+                request.output_token_ids.extend(tokens)
+                request.output_logprobs.extend(logprobs)
+                self.num_generated_tokens += len(tokens)
+            emitted = {r.request_id: len(o[0]) for r, o in zip(sampling, outcomes, strict=True)}
+            self.scheduler.update(plan, emitted)
+            stopped = [(r, reason, text) for r, (_, _, reason, text) in zip(sampling, outcomes, strict=True)
+                       if reason is not None]
+            for request, reason, text in stopped:
+                self._finish(request, reason, text)
         except BaseException:
-            self.scheduler.abandon(plan)  # nothing half-written is kept or published
+            for request, (n_tokens, n_logprobs) in zip(sampling, lengths, strict=True):
+                if request.status is not Status.FINISHED:  # a request that finished here is complete
+                    del request.output_token_ids[n_tokens:], request.output_logprobs[n_logprobs:]
+            for gen, state in rewind:
+                gen.set_state(state)
+            self.num_generated_tokens = num_generated
+            self.scheduler.abandon(plan)
             raise
-        stopped: list[tuple[Request, str]] = []
-        for request, result in zip(sampling, results, strict=True):
-            for i, token in enumerate(result.tokens):  # a verify emits several; a stop cuts them
-                request.output_token_ids.append(token)
-                if result.logprobs is not None:
-                    request.output_logprobs.append(result.logprobs[i])
-                self.num_generated_tokens += 1
-                reason = self._stop_reason(request)
-                if reason is not None:
-                    stopped.append((request, reason))
-                    break
-        drafted = {s.request_id: s.num_drafts for s in plan.seqs if s.num_drafts}
-        kept = {r.request_id: len(res.tokens) for r, res in zip(sampling, results, strict=True)}
-        self.spec_metrics.record(drafted, kept)
-        self.scheduler.update(plan, kept)
+        self.spec_metrics.record({s.request_id: s.num_drafts for s in plan.seqs if s.num_drafts}, emitted)
         self.num_steps += 1
         if self.config.enable_prefix_caching and logger.isEnabledFor(logging.DEBUG):
             m = self.cache.metrics
             logger.debug("step %d: %d seqs, %d tokens; prefix cache %d/%d tokens hit", self.num_steps,
                          len(plan.seqs), plan.num_tokens, m.hits, m.queries)
-        for request, reason in stopped:
-            self._finish(request, reason)
-        return [request for request, _ in stopped]
+        return [request for request, _, _ in stopped]
 
-    def _stop_reason(self, request: Request) -> str | None:
-        p, token = request.params, request.output_token_ids[-1]
+    def _outcome(self, request: Request, result: SampleResult) -> tuple[list[int], list, str | None, str | None]:
+        """What a sampled result adds to a request, without changing it: the tokens it keeps (a
+        verify's are cut after the first one that stops it), their logprobs, the stop reason
+        (None: it goes on) and, when it stops, its final text."""
+        for i in range(len(result.tokens)):
+            new = list(result.tokens[: i + 1])
+            reason, text = self._stop_reason(request, new)
+            if reason is not None or i == len(result.tokens) - 1:
+                logprobs = [] if result.logprobs is None else list(result.logprobs[: i + 1])
+                if reason is not None and text is None and self.tokenizer is not None:
+                    text = self.tokenizer.decode(request.output_token_ids + new)
+                return new, logprobs, reason, text
+        raise AssertionError("a sample result has at least one token")
+
+    def _stop_reason(self, request: Request, new: list[int]) -> tuple[str | None, str | None]:
+        """Why a request stops once ``new`` tokens follow its output, and the text cut before a
+        stop string; (None, None) while it goes on."""
+        p, token = request.params, new[-1]
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.config.model.eos_token_ids):
-            return "stop"
+            return "stop", None
         if p.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(request.output_token_ids)
+            text = self.tokenizer.decode(request.output_token_ids + new)
             hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
             if hits:
-                request.text = text[: min(hits)]
-                return "stop"
-        if len(request.output_token_ids) >= p.max_tokens or request.num_tokens >= self.config.resolved_max_model_len:
-            return "length"
-        return None
+                return "stop", text[: min(hits)]
+        num_output = len(request.output_token_ids) + len(new)
+        limit = self.config.resolved_max_model_len
+        if num_output >= p.max_tokens or len(request.prompt_token_ids) + num_output >= limit:
+            return "length", None
+        return None, None
 
-    def _finish(self, request: Request, reason: str) -> None:
+    def _finish(self, request: Request, reason: str, text: str | None = None) -> None:
+        """``text``: the output cut before a stop string; else the whole output is decoded."""
+        if text is None and self.tokenizer is not None:
+            text = self.tokenizer.decode(request.output_token_ids)
         self.scheduler.finish(request, reason)
         if self.runner.hidden_store is not None:
             self.runner.hidden_store.forget(request.request_id)
         self._generators.pop(request.request_id, None)
-        truncated_by_stop_string = reason == "stop" and request.text
-        if self.tokenizer is not None and not truncated_by_stop_string:
-            request.text = self.tokenizer.decode(request.output_token_ids)
+        request.text = text or ""

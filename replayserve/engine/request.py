@@ -6,13 +6,30 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+# Below this the temperature-scaled logits overflow float32; 0 means greedy.
+MIN_TEMPERATURE = 1e-5
+# The smallest normal float32: the sampler filters in float32, where a smaller top_p rounds to 0.
+MIN_TOP_P = 1.2e-38
+MAX_SEED = 2**64 - 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one request. `temperature == 0` is greedy.
+    """How to sample one request; every field is checked here, so a request that would make a
+    step fail is refused before it is queued. `temperature == 0` is greedy.
 
+    stop: a string or a list of strings; the output ends before the first one found.
+    top_k: -1 or 0 (off) or >= 1. seed: an int in [0, 2**64) or None.
     logprobs: return the top-`logprobs` log-probabilities of each generated token (plus the
-    sampled token's own); None returns none.
+    sampled token's own); None returns none. The engine also checks it against the vocabulary.
     """
 
     temperature: float = 1.0
@@ -20,27 +37,41 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     max_tokens: int = 16
-    stop: tuple[str, ...] | list[str] = ()
+    stop: str | tuple[str, ...] | list[str] = ()
     stop_token_ids: tuple[int, ...] | list[int] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.stop, str):  # one stop string, as in vLLM and the OpenAI API
+            object.__setattr__(self, "stop", (self.stop,))
+        for option in ("stop", "stop_token_ids"):
+            value = getattr(self, option)
+            if not isinstance(value, list | tuple):
+                raise ValueError(f"SamplingParams.{option} must be a list, got {value!r}")
+            object.__setattr__(self, option, tuple(value))
+        t, p = self.temperature, self.top_p
         checks = [
-            (math.isfinite(self.temperature) and self.temperature >= 0, "temperature", "must be finite and >= 0"),
-            (self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (off) or >= 1"),
-            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
-            (self.max_tokens >= 1, "max_tokens", "must be >= 1"),
-            (self.logprobs is None or self.logprobs >= 0, "logprobs", "must be None or >= 0"),
+            (_is_real(t) and math.isfinite(t) and (t == 0 or t >= MIN_TEMPERATURE), "temperature",
+             f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}"),
+            (_is_int(self.top_k) and (self.top_k in (-1, 0) or self.top_k >= 1), "top_k",
+             "must be an int: -1 or 0 (off) or >= 1"),
+            (_is_real(p) and MIN_TOP_P <= p <= 1, "top_p", f"must be a number in [{MIN_TOP_P}, 1]"),
+            (self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED), "seed",
+             "must be None or an int in [0, 2**64)"),
+            (_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an int >= 1"),
+            (self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
+             "must be None or an int >= 0"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+            (all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "must be non-negative ints"),
+            (isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool"),
         ]
         for ok, option, why in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{option} {why}, got {getattr(self, option)!r}")
+        if self.top_k == 0:
+            object.__setattr__(self, "top_k", -1)
 
     @property
     def greedy(self) -> bool:

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
 from replayserve.config import EngineConfig
 from replayserve.engine.context import StepContext
+from replayserve.engine.cuda_graph import DecodeGraphs
 from replayserve.engine.request import SamplingParams
 from replayserve.engine.sampler import SampleResult, sample, sample_verify
 from replayserve.engine.scheduler import StepPlan
 from replayserve.layers.mamba2 import Mamba2Mixer
+from replayserve.layers.mlp import MoE
 from replayserve.models.nemotron_h import NemotronHForCausalLM
 from replayserve.ssm.backend import SSMBackend
 from replayserve.ssm.baseline import BaselineBackend
@@ -22,10 +25,13 @@ from replayserve.ssm.replay import ReplayBackend
 if TYPE_CHECKING:
     from replayserve.spec.mtp import HiddenStore
 
+logger = logging.getLogger(__name__)
+
 
 def make_ssm_backend(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> SSMBackend:
-    """Slots 0..max_num_seqs-1 are live; the prefix cache's boundary slots follow them."""
-    num_slots = config.max_num_seqs + config.resolved_num_mamba_cache_slots
+    """Slots 0..max_num_seqs-1 are live; the prefix cache's boundary slots follow them, and the
+    last slot is the pad slot of padded decode rows (no pool hands it out)."""
+    num_slots = config.max_num_seqs + config.resolved_num_mamba_cache_slots + 1
     tokens = config.tokens_per_step
     if config.ssm_backend == "replay":
         layout = MambaLayout.from_config(config.model, num_slots, dtype, window=config.replay_window,
@@ -41,7 +47,9 @@ class Runner:
         weight = model.backbone.embeddings.weight
         self.device, self.dtype = weight.device, weight.dtype
         m = config.model
-        kv_shape = (config.resolved_num_kv_blocks, config.block_size, m.num_key_value_heads, m.head_dim)
+        # One block more than the pool hands out: the pad block of padded decode rows.
+        self.pad_block = config.resolved_num_kv_blocks
+        kv_shape = (config.resolved_num_kv_blocks + 1, config.block_size, m.num_key_value_heads, m.head_dim)
         self.kv_caches = [
             (torch.zeros(kv_shape, dtype=self.dtype, device=self.device),
              torch.zeros(kv_shape, dtype=self.dtype, device=self.device))
@@ -50,6 +58,27 @@ class Runner:
         self.ssm = make_ssm_backend(config, self.dtype, self.device)
         self.hidden_store: HiddenStore | None = None  # set by the MTP proposer: it reads final hidden states
         self._mixers = sorted((m for m in model.modules() if isinstance(m, Mamba2Mixer)), key=lambda m: m.mamba_index)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            if any(isinstance(m, MoE) for m in model.modules()):  # its expert loop syncs on the host
+                logger.info("CUDA graphs are off: the MoE layers' expert dispatch is not graph-safe yet")
+            else:
+                self.graphs = self.make_decode_graphs(capture=True)
+
+    def make_decode_graphs(self, capture: bool) -> DecodeGraphs:
+        """The padded fixed-shape decode path: replayed as CUDA graphs (capture) or run eagerly."""
+        c = self.config
+        return DecodeGraphs(self._forward, c.max_num_seqs, c.tokens_per_step, c.blocks_per_seq, c.block_size,
+                            self.pad_block, self.ssm.layout.num_slots - 1, self.device,
+                            keep=lambda: dict(self.ssm._windows), restore=self._restore_windows, capture=capture)
+
+    def _restore_windows(self, windows: dict[int, torch.Tensor]) -> None:
+        self.ssm._windows = dict(windows)
+
+    def _forward(self, input_ids: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The graphed part of a decode step: hidden states and logits of every row."""
+        hidden = self.model(input_ids, ctx, self.kv_caches, self.ssm)
+        return hidden, self.model.compute_logits(hidden)
 
     def build_context(self, plan: StepPlan) -> tuple[torch.Tensor, StepContext]:
         bs = self.config.block_size
@@ -66,8 +95,7 @@ class Runner:
         width = max(len(s.block_table) for s in plan.seqs)
         tables = [list(s.block_table) + [-1] * (width - len(s.block_table)) for s in plan.seqs]
 
-        def dev(values: list[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=self.device)
+        dev = self._ids
 
         ctx = StepContext(
             positions=dev(positions),
@@ -94,15 +122,10 @@ class Runner:
         params and generators are given for the sequences with `sample` set, in plan order.
         """
         if plan.reset_slots:
-            self.ssm.reset_slots(torch.tensor(plan.reset_slots, dtype=torch.int64, device=self.device))
+            self.ssm.reset_slots(self._ids(plan.reset_slots))
         if plan.state_copies:
             src, dst = zip(*plan.state_copies, strict=True)
             self.ssm.copy_slots(self._ids(src), self._ids(dst))
-        input_ids, ctx = self.build_context(plan)
-        decode_slots = ctx.state_slots[: ctx.num_decodes]
-        if ctx.num_decodes:
-            self.ssm.begin_step(decode_slots, self._ids(ctx.decode_lens, torch.int32))
-        hidden = self.model(input_ids, ctx, self.kv_caches, self.ssm)
         # Logits at each sampling row's last token, and at every token of a verify row.
         picks: list[range] = []
         end = 0
@@ -110,18 +133,47 @@ class Runner:
             end += len(seq.token_ids)
             if seq.sample:
                 picks.append(range(end - 1 - seq.num_drafts, end))
+        width = self.graphs.width(plan) if self.graphs is not None else None
+        if width is not None:
+            hidden, logits, decode_slots = self._forward_graphed(plan, width)
+        else:
+            input_ids, ctx = self.build_context(plan)
+            decode_slots = ctx.state_slots[: ctx.num_decodes]
+            if ctx.num_decodes:
+                self.ssm.begin_step(decode_slots, self._ids(ctx.decode_lens, torch.int32))
+            hidden = self.model(input_ids, ctx, self.kv_caches, self.ssm)
+            logits = None
         results: list[SampleResult] = []
         if picks:
-            logits = self.model.compute_logits(hidden[self._ids([i for r in picks for i in r])])
+            rows = [i for r in picks for i in r]
+            if logits is None:
+                logits = self.model.compute_logits(hidden[self._ids(rows)])
+            else:  # graphed logits cover every token
+                logits = logits[: len(rows)] if rows == list(range(len(rows))) else logits[self._ids(rows)]
             results = self._sample(plan, picks, logits, params, generators)
         if self.hidden_store is not None:
             self._record_hidden(plan, hidden, results)
-        if ctx.num_decodes:
+        if decode_slots.numel():
             # After sampling, once for all Mamba layers: the tokens each decode row keeps.
-            kept = [len(r.tokens) for r in results[: ctx.num_decodes]]
+            kept = [len(r.tokens) for r in results[: decode_slots.numel()]]
             self.ssm.end_step(decode_slots, self._ids(kept, torch.int32))
             self._publish_decode_boundaries(plan, kept)
         return results
+
+    def _forward_graphed(self, plan: StepPlan, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A decode-only step through the CUDA graph of its bucket and width: hidden states
+        (T, D) and logits (T, V) of the plan's tokens laid end to end (padding dropped), as the
+        eager forward would give them, and the rows' state slots."""
+        assert self.graphs is not None
+        rows = len(plan.seqs)
+        bucket = self.graphs.load(plan, width)
+        slots = self.graphs.state_slots[:rows]
+        self.ssm.begin_step(slots, self.graphs.num_tokens[:rows])
+        hidden, logits = self.graphs.run(bucket, width)
+        if width == 1:
+            return hidden[:rows], logits[:rows], slots
+        real = self._ids([i * width + j for i, s in enumerate(plan.seqs) for j in range(len(s.token_ids))])
+        return hidden[real], logits[real], slots
 
     def _sample(self, plan: StepPlan, picks: list[range], logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None]) -> list[SampleResult]:
@@ -157,8 +209,14 @@ class Runner:
             self.hidden_store.record(seq.request_id, seq.start_pos, hidden[offset : offset + valid])
             offset += n
 
-    def _ids(self, values: tuple[int, ...] | list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
+    def _ids(self, values: tuple[int, ...] | list[int] | list[list[int]],
+             dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """A host list on the device. From pinned memory the copy is asynchronous; from pageable
+        memory CUDA would first wait for the whole stream."""
+        host = torch.tensor(values, dtype=dtype)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _publish_decode_boundaries(self, plan: StepPlan, kept: list[int]) -> None:
         """Canonical states of decode rows that reached a block boundary, into their boundary slots

@@ -71,6 +71,19 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> StepPlan:
+        """Plans the next step. If planning raises (a proposer's error, an interrupt), the requests
+        it admitted go back to the queue and the boundary slots it took are released."""
+        admitted: list[Request] = []
+        try:
+            return self._schedule(admitted)
+        except BaseException:
+            for request in reversed(admitted):  # appendleft in reverse keeps their order
+                if request.status is Status.RUNNING:
+                    self._preempt(request, count=False)
+            self.cache.end_step()
+            raise
+
+    def _schedule(self, admitted: list[Request]) -> StepPlan:
         budget = self.max_num_batched_tokens
         decodes: list[ScheduledSeq] = []
         prefills: list[ScheduledSeq] = []
@@ -103,11 +116,12 @@ class Scheduler:
             request.state_slot = self.cache.admit(request, hit, hit.num_tokens + n)
             request.num_computed_tokens = hit.num_tokens
             request.status = Status.RUNNING
+            self.running.append(request)
+            admitted.append(request)
             if hit.state_slot is not None:
                 copies.append((hit.state_slot, request.state_slot))
             else:
                 reset.append(request.state_slot)
-            self.running.append(request)
             budget -= n
             prefills.append(self._scheduled(request, n))
         return StepPlan(tuple(decodes + prefills), tuple(reset), tuple(preempted), tuple(copies))
@@ -179,7 +193,7 @@ class Scheduler:
             num_drafts=len(drafts),
         )
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, count: bool = True) -> None:
         """Recompute preemption: drop the request's KV and state; it prefills again on readmission."""
         self._release(request)
         request.status = Status.WAITING
@@ -187,37 +201,40 @@ class Scheduler:
         request.decoding = False
         request.branch_point = None
         self.waiting.appendleft(request)
-        self.num_preemptions += 1
+        self.num_preemptions += count
 
     def _release(self, request: Request) -> None:
         self.running.remove(request)
         self.cache.free(request)
         request.state_slot = None
 
-    def update(self, plan: StepPlan, kept: dict[str, int] | None = None) -> None:
-        """After the step ran and its sampled tokens were appended: marks the computed tokens
-        (`kept[request_id]` for a verify row: the tokens it emitted, the rest were rejected) and
-        publishes what they filled."""
+    def update(self, plan: StepPlan, emitted: dict[str, int] | None = None) -> None:
+        """After the step ran and its sampled tokens were appended: marks the computed tokens and
+        publishes what they filled. ``emitted[request_id]``, for a verify row: the tokens it
+        appended (accepted drafts and the bonus token, cut after a stop); the last known token and
+        the accepted drafts among them are now computed, the rest were rejected or lie past the stop."""
         for seq in plan.seqs:
             request = self.unfinished[seq.request_id]
-            request.num_computed_tokens += kept[seq.request_id] if seq.num_drafts else len(seq.token_ids)
+            if seq.num_drafts and emitted is None:
+                raise ValueError(f"request {seq.request_id} verified drafts: update needs its emitted count")
+            request.num_computed_tokens += emitted[seq.request_id] if seq.num_drafts else len(seq.token_ids)
             if request.branch_point is not None and request.num_computed_tokens >= request.branch_point:
                 request.branch_point = None
             if seq.sample:
                 request.decoding = True
             self.cache.publish(request, seq.boundary_writes)
-        self.cache.release_copy_sources([src for src, _ in plan.state_copies])
+        self.cache.end_step()
 
     def abandon(self, plan: StepPlan) -> None:
-        """A step that raised part-way: its requests' states may be half-written, so they are
-        preempted (recomputed from scratch when readmitted), and the slots the plan took for
-        copies and boundary writes go back unpublished."""
+        """A step that raised part-way (in the forward or after it): its requests' states may be
+        half-written, so those still running are preempted (recomputed from scratch when
+        readmitted), and the boundary slots the step still holds go back unpublished. Published
+        KV blocks and states stay: they hold exactly what their hashes name."""
         for seq in plan.seqs:
             request = self.unfinished.get(seq.request_id)
             if request is not None and request.status is Status.RUNNING:
-                self._preempt(request)
-        self.cache.release_copy_sources([src for src, _ in plan.state_copies])
-        self.cache.drop_writes(tuple(w for seq in plan.seqs for w in seq.boundary_writes))
+                self._preempt(request, count=False)
+        self.cache.end_step()
 
     def finish(self, request: Request, reason: str) -> None:
         if request.status is Status.RUNNING:

@@ -7,7 +7,12 @@ from torch import nn
 
 from replayserve.config import ModelConfig
 from replayserve.engine.context import StepContext
-from replayserve.ops.attention import paged_attention_ref, write_kv_cache_ref
+from replayserve.ops.attention import (
+    decode_attention_dense,
+    paged_attention_ref,
+    write_kv_cache_dense,
+    write_kv_cache_ref,
+)
 
 
 class Attention(nn.Module):
@@ -31,6 +36,10 @@ class Attention(nn.Module):
         k = self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
+        if ctx.uniform_decode:  # fixed shapes, no host sync: the CUDA-graph path
+            write_kv_cache_dense(k, v, k_cache, v_cache, ctx.slot_mapping)
+            out = decode_attention_dense(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, self.scale)
+            return self.o_proj(out.reshape(t, -1))
         write_kv_cache_ref(k, v, k_cache, v_cache, ctx.slot_mapping)
         out = paged_attention_ref(
             q, k_cache, v_cache, ctx.block_tables, ctx.query_start_loc, ctx.seq_lens, self.scale

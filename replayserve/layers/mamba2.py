@@ -50,8 +50,13 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = self.in_proj(hidden).split(self.split_sizes, dim=-1)
         params = self.params()
         y = hidden.new_empty(hidden.shape[0], self.num_heads, self.head_dim)
-        nd, nt = ctx.num_decodes, ctx.num_decode_tokens
-        if nt == nd and nd:  # plain decode: one token per row
+        nd, nt, width = ctx.num_decodes, ctx.num_decode_tokens, ctx.uniform_decode
+        if width > 1:  # a verify of rows padded to `width` tokens, fixed shapes (CUDA graphs)
+            assert ctx.decode_num_tokens is not None
+            y_rows = backend.verify(self.mamba_index, ctx.state_slots, xbc.view(nd, width, -1), dt.view(nd, width, -1),
+                                    ctx.decode_num_tokens, params)
+            y = y_rows.reshape(nt, self.num_heads, self.head_dim)
+        elif nt == nd and nd:  # plain decode: one token per row
             y[:nd] = backend.decode(self.mamba_index, ctx.state_slots[:nd], xbc[:nd], dt[:nd], params)
         elif nd:  # speculative verify: rows of 1 + drafts tokens, padded to the longest
             index, lens = _padded_index(ctx.decode_lens, hidden.device)

@@ -147,3 +147,50 @@ def _attend_short_rows(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables
     att = torch.matmul(torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1), v)
     att = att.view(n, hkv, qmax, group, dh).permute(0, 2, 1, 3, 4).reshape(n, qmax, hkv * group, dh)
     out[q_rows[real]] = att[real].to(q.dtype)
+
+
+def write_kv_cache_dense(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """``write_kv_cache_ref`` without padding: every slot is valid (padded rows point at a pad
+    block that no sequence reads), so it needs no mask and no host sync (CUDA-graph safe).
+
+    Arguments: as ``write_kv_cache_ref``; slot_mapping (T,) int64, all >= 0.
+    """
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def decode_attention_dense(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                           scale: float) -> Tensor:
+    """``paged_attention_ref`` for rows of the same number of query tokens W (decode: W = 1, a
+    speculative verify: 1 + k), with every shape fixed by the inputs' shapes: no host sync, so
+    a CUDA graph can capture it. It reads each row's whole block table (padded rows: a table
+    of pad blocks and seq_len >= W), so it costs the table's width, not the context.
+
+    Arguments:
+        q: (B * W, Hq, Dh), row b's queries at b * W .. b * W + W - 1.
+        k_cache, v_cache: (num_blocks, block_size, Hkv, Dh).
+        block_tables: (B, M) int64 with valid block ids (no -1) in every entry.
+        seq_lens: (B,) int64 context length of each row after this step, >= W.
+
+    Returns:
+        (B * W, Hq, Dh) in q.dtype, math in compute_dtype(q.dtype).
+    """
+    rows, width = block_tables.shape[0], q.shape[0] // block_tables.shape[0]
+    hq, dh = q.shape[1:]
+    hkv, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = hq // hkv
+    cdt = compute_dtype(q.dtype)
+    length = block_tables.shape[1] * block_size
+    k = k_cache[block_tables].reshape(rows, length, hkv, dh).to(cdt).permute(0, 2, 1, 3)  # (B, Hkv, L, Dh)
+    v = v_cache[block_tables].reshape(rows, length, hkv, dh).to(cdt).permute(0, 2, 1, 3)
+    pos = torch.arange(length, device=q.device)
+    q_pos = seq_lens[:, None] - width + torch.arange(width, device=q.device)[None, :]  # (B, W)
+    allowed = pos[None, None, :] <= q_pos[:, :, None]  # (B, W, L)
+    qg = q.to(cdt).view(rows, width, hkv, group, dh).permute(0, 2, 1, 3, 4).reshape(rows, hkv, width * group, dh)
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # (B, Hkv, W * group, L)
+    mask = allowed[:, None, :, None, :].expand(rows, hkv, width, group, length).reshape(scores.shape)
+    # Beyond seq_len the blocks may hold anything, even NaN: zero V there (0 * NaN = NaN).
+    v = v.masked_fill((pos[None, :] >= seq_lens[:, None])[:, None, :, None], 0.0)
+    att = torch.matmul(torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1), v)
+    att = att.view(rows, hkv, width, group, dh).permute(0, 2, 1, 3, 4).reshape(rows * width, hq, dh)
+    return att.to(q.dtype)

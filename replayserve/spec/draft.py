@@ -13,11 +13,18 @@ class DraftModelProposer(Proposer):
     """Greedy drafts from a second model in an engine of its own.
 
     Each call runs the request's known tokens through the draft engine, which caches prefixes
-    (`mamba_cache_mode="all"`), so only the tokens after its last cached boundary are prefilled
-    before k decode steps. The draft's state therefore never rolls back: a rejection only means
-    the next call starts from an earlier cached boundary. Drafts do not affect the output, which
-    verification keeps lossless.
+    (`mamba_cache_mode="all"` on a grid of one KV block), so only the tokens after its last cached
+    boundary are prefilled before k decode steps. The draft's state therefore never rolls back: a
+    rejection only means the next call starts from an earlier cached boundary. Drafts do not
+    affect the output, which verification keeps lossless.
+
+    Calls for the target's running requests interleave, so the draft engine keeps boundary states
+    for all of them: ``STATES_PER_REQUEST`` slots per target sequence (a call publishes about one
+    per block it crosses; LRU keeps each request's newest until its next call).
     """
+
+    STATES_PER_REQUEST = 4
+
 
     def __init__(self, model_dir: str, target: EngineConfig) -> None:
         from replayserve.llm import LLM  # the engine builds its proposer: import at use
@@ -29,8 +36,10 @@ class DraftModelProposer(Proposer):
         self.max_model_len = target.resolved_max_model_len
         self.llm = LLM(model_dir, dtype=target.dtype, device=target.device, max_num_seqs=1,
                        max_model_len=self.max_model_len, block_size=target.block_size,
+                       num_kv_blocks=target.max_num_seqs * target.blocks_per_seq,
                        max_num_batched_tokens=max(target.max_num_batched_tokens, self.max_model_len),
-                       enable_prefix_caching=True, mamba_cache_mode="all")
+                       enable_prefix_caching=True, mamba_cache_mode="all", mamba_block_size=target.block_size,
+                       num_mamba_cache_slots=self.STATES_PER_REQUEST * target.max_num_seqs)
 
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
         k = min(k, self.max_model_len - len(token_ids) - 1)

@@ -269,3 +269,25 @@ def test_a_step_that_raises_loses_nothing_and_serving_continues(tiny_model_dir: 
     assert len(failures) == 3
     check_boundary_states(llm, tiny_model_dir)
     assert_pools_full(llm)
+
+
+def test_prefix_caching_alone_picks_align_for_a_hybrid_model(tiny_model_dir: Path, tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """Without a mamba_cache_mode, 'none' would never hit on a Mamba model: 'align' is chosen and
+    logged, and a repeated prompt hits; a model without Mamba layers keeps 'none'."""
+    import logging
+
+    from replayserve.tiny import make_tiny
+
+    with caplog.at_level(logging.INFO, logger="replayserve.llm"):
+        llm = LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", block_size=BS,
+                  enable_prefix_caching=True)
+    assert llm.config.mamba_cache_mode == "align"
+    assert any("mamba_cache_mode='align'" in r.getMessage() for r in caplog.records)
+    prompt = {"prompt_token_ids": _tokens(100, 9)}
+    first, second = (llm.generate(prompt, GREEDY, use_tqdm=False)[0] for _ in range(2))
+    assert first.token_ids == second.token_ids and llm.get_metrics()["prefix_cache_hits"] > 0
+    attention_only = make_tiny(tmp_path / "attn", layers="*-")
+    assert LLM(model=str(attention_only), dtype="float64", device="cpu",
+               enable_prefix_caching=True).config.mamba_cache_mode == "none"
+    assert LLM(model=str(tiny_model_dir), dtype="float64", device="cpu").config.mamba_cache_mode == "none"

@@ -267,3 +267,15 @@ def test_every_proposer_is_lossless_with_prefix_hits_and_small_pools(mtp_model_d
     if mode is not None:
         check_boundary_states(llm, mtp_model_dir)
     assert_pools_full(llm)
+
+
+def test_draft_model_keeps_a_boundary_state_per_running_request(tiny_model_dir: Path, other_model_dir: Path) -> None:
+    """Proposals for the running requests interleave: the draft engine must keep each one's
+    newest boundary state between its calls, so a call prefills little more than one block."""
+    llm = LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", max_num_seqs=4,
+              speculative={"method": "draft", "num_speculative_tokens": 3, "model": str(other_model_dir)})
+    llm.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY, use_tqdm=False)
+    draft = llm.engine.scheduler.proposer.llm  # type: ignore[union-attr]
+    m = draft.get_metrics()
+    assert m["prefix_cache_queries"] > 0 and m["prefix_cache_hit_rate"] > 0.6, m  # 0.0 with one slot
+    assert draft.engine.cache.states is not None and draft.engine.cache.states.size >= 4 * 4

@@ -1,0 +1,215 @@
+"""CUDA graphs of the decode step: persistent input buffers and one graph per padded batch size
+and row width.
+
+A decode-only step (every row a decode token, or a speculative verify of 1 + drafts tokens) is
+padded to the smallest capture bucket that holds its rows, and every row to the step's width W
+(1, or 1 + k when any row verifies drafts). Padded rows and tokens point at a pad KV block and
+a pad Mamba state slot that no request owns, so whatever they compute lands where nothing reads
+it; each row's real token count travels with it. The step's inputs are written into one pinned
+host buffer and reach the device in one non-blocking copy; the graph of (bucket, W) then replays
+the model forward and the logits of every token. What happens before the forward (slot resets
+and copies, ReplaySSM's `begin_step`) and after it (sampling, `end_step`, publishing) stays
+eager in the runner.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from replayserve.engine.context import StepContext
+from replayserve.engine.scheduler import StepPlan
+
+logger = logging.getLogger(__name__)
+
+# The forward of a step: (input_ids (T,), context) -> (hidden (T, D), logits (T, V)).
+Forward = Callable[[torch.Tensor, StepContext], tuple[torch.Tensor, torch.Tensor]]
+
+
+def capture_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Batch sizes with a graph: 1, 2, 4, 8, then multiples of 16, and max_num_seqs itself."""
+    sizes = {b for b in (1, 2, 4, 8) if b <= max_num_seqs}
+    sizes.update(range(16, max_num_seqs + 1, 16))
+    sizes.add(max_num_seqs)
+    return tuple(sorted(sizes))
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    hidden: torch.Tensor  # (bucket * W, D): the graph's outputs, rewritten by every replay
+    logits: torch.Tensor  # (bucket * W, V)
+    state: Any  # what the forward left on Python objects (see `DecodeGraphs.keep`)
+
+
+class DecodeGraphs:
+    """Graphs of the decode forward for each (bucket, width), over one set of persistent buffers.
+
+    max_width: 1 + k with speculation. pad_block: a KV block outside the pool; pad_slot: a
+    Mamba state slot outside the pools. keep / restore: the forward may leave per-step state on
+    Python objects (the SSM backend's verify windows); `keep` reads it after the capture and
+    `restore` puts it back after each replay, since a replay runs no Python.
+    """
+
+    def __init__(self, forward: Forward, max_num_seqs: int, max_width: int, blocks_per_seq: int, block_size: int,
+                 pad_block: int, pad_slot: int, device: torch.device,
+                 keep: Callable[[], Any] = lambda: None, restore: Callable[[Any], None] = lambda state: None,
+                 capture: bool = True) -> None:
+        self.forward, self.keep, self.restore = forward, keep, restore
+        # capture=False runs the same padded, fixed-shape forward eagerly (any device): the CPU
+        # tests prove its semantics in float64 against the plain path.
+        self.capture = capture
+        self.buckets = capture_buckets(max_num_seqs)
+        self.max_width, self.block_size = max_width, block_size
+        self.pad_block, self.pad_slot = pad_block, pad_slot
+        n, w, m = max_num_seqs, max_width, blocks_per_seq
+        # One int64 buffer holds every input, so a step is one host-to-device copy: per token
+        # the input id and KV slot, per row the context length, state slot, real token count
+        # and block table.
+        self._spans = {"ids": n * w, "slots": n * w, "seq_lens": n, "state_slots": n, "num_tokens": n,
+                       "tables": n * m}
+        size = sum(self._spans.values())
+        self._host = torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._host_np = self._host.numpy()  # the same memory: numpy writes scalars without a torch op each
+        self._device = torch.zeros(size, dtype=torch.int64, device=device)
+        self._offsets, start = {}, 0
+        for name, span in self._spans.items():
+            self._offsets[name] = start
+            start += span
+        self.blocks_per_seq = m
+        self._num_tokens32 = torch.zeros(n, dtype=torch.int32, device=device)
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._pool = None
+        self._rows, self._width = 0, 1
+        self._fill_pads(0, n, w)
+        self._device.copy_(self._host)
+
+    def _view(self, name: str, length: int) -> torch.Tensor:
+        start = self._offsets[name]
+        return self._device[start : start + length]
+
+    def _host_view(self, name: str):  # noqa: ANN202 - a numpy view
+        start = self._offsets[name]
+        return self._host_np[start : start + self._spans[name]]
+
+    @property
+    def state_slots(self) -> torch.Tensor:
+        return self._view("state_slots", self._spans["state_slots"])
+
+    @property
+    def num_tokens(self) -> torch.Tensor:
+        """(max_num_seqs,) int32 real tokens of each row of the loaded step."""
+        return self._num_tokens32
+
+    def bucket(self, num_rows: int) -> int | None:
+        """The smallest bucket that holds num_rows rows (None: too many)."""
+        return next((b for b in self.buckets if b >= num_rows), None)
+
+    def width(self, plan: StepPlan) -> int | None:
+        """The row width of a decode-only step that fits a bucket (1, or max_width when a row
+        verifies drafts); None when the step must run eagerly."""
+        if not plan.seqs or self.bucket(len(plan.seqs)) is None or not all(s.is_decode for s in plan.seqs):
+            return None
+        return self.max_width if any(s.num_drafts for s in plan.seqs) else 1
+
+    def _fill_pads(self, start: int, bucket: int, width: int) -> None:
+        """Rows from `start` to `bucket` read and write only the pad block and the pad slot."""
+        ids, slots = self._host_view("ids"), self._host_view("slots")
+        ids[start * width : bucket * width] = 0
+        slots[start * width : bucket * width] = self.pad_block * self.block_size
+        self._host_view("seq_lens")[start:bucket] = width
+        self._host_view("state_slots")[start:bucket] = self.pad_slot
+        self._host_view("num_tokens")[start:bucket] = width
+        m = self.blocks_per_seq
+        self._host_view("tables")[start * m : bucket * m] = self.pad_block
+
+    def _context(self, bucket: int, width: int) -> StepContext:
+        m = self.blocks_per_seq
+        seq_lens = self._view("seq_lens", bucket)
+        return StepContext(
+            positions=seq_lens.repeat_interleave(width) - width,  # Nemotron-H attention has no positions
+            slot_mapping=self._view("slots", bucket * width),
+            query_start_loc=torch.arange(0, (bucket + 1) * width, width, device=seq_lens.device),
+            seq_lens=seq_lens, block_tables=self._view("tables", bucket * m).view(bucket, m),
+            state_slots=self._view("state_slots", bucket), num_decodes=bucket, query_lens=(width,) * bucket,
+            state_slot_list=(self.pad_slot,) * bucket, uniform_decode=width,
+            decode_num_tokens=self._num_tokens32[:bucket],
+        )
+
+    def load(self, plan: StepPlan, width: int) -> int:
+        """Writes the plan's rows (each padded to `width` tokens, the rows to their bucket) into
+        the device buffers with one non-blocking copy; returns the bucket. Call before the SSM
+        backend's begin_step.
+
+        The pinned buffer is rewritten only here, after the previous step's sampled tokens
+        reached the host, which waited for that step's copy to finish."""
+        rows = len(plan.seqs)
+        bucket = self.bucket(rows)
+        assert bucket is not None
+        bs, m, pad = self.block_size, self.blocks_per_seq, self.pad_block
+        ids, slots, tables = self._host_view("ids"), self._host_view("slots"), self._host_view("tables")
+        seq_lens, state_slots, counts = (self._host_view(k) for k in ("seq_lens", "state_slots", "num_tokens"))
+        for i, seq in enumerate(plan.seqs):
+            n, start, table = len(seq.token_ids), seq.start_pos, seq.block_table
+            base = i * width
+            ids[base : base + n] = seq.token_ids
+            ids[base + n : base + width] = seq.token_ids[-1]
+            slots[base : base + n] = [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            slots[base + n : base + width] = pad * bs  # padded tokens' KV goes to the pad block
+            seq_lens[i], state_slots[i], counts[i] = start + width, seq.state_slot, n
+            tables[i * m : i * m + len(table)] = table
+            tables[i * m + len(table) : (i + 1) * m] = pad
+        self._fill_pads(rows, bucket, width)
+        self._rows, self._width = rows, width
+        self._copy(bucket, width)
+        return bucket
+
+    def _copy(self, bucket: int, width: int) -> None:
+        for name, length in (("ids", bucket * width), ("slots", bucket * width), ("seq_lens", bucket),
+                             ("state_slots", bucket), ("num_tokens", bucket),
+                             ("tables", bucket * self.blocks_per_seq)):
+            start = self._offsets[name]
+            self._device[start : start + length].copy_(self._host[start : start + length], non_blocking=True)
+        self._num_tokens32[:bucket].copy_(self._view("num_tokens", bucket))
+
+    def run(self, bucket: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replays the graph of (bucket, width), capturing it first if needed; hidden
+        (bucket * width, D) and logits (bucket * width, V), valid until the next replay."""
+        if not self.capture:
+            return self.forward(self._view("ids", bucket * width), self._context(bucket, width))
+        graph = self._graphs.get((bucket, width))
+        if graph is None:
+            graph = self._capture(bucket, width)
+        graph.graph.replay()
+        self.restore(graph.state)
+        return graph.hidden, graph.logits
+
+    def _capture(self, bucket: int, width: int) -> _Graph:
+        ctx = self._context(bucket, width)
+        ids = self._view("ids", bucket * width)
+        # Triton kernels compile on their first call, which a capture cannot hold, so the forward
+        # runs once before it. A decode step is not idempotent (it advances states and writes
+        # KV), so that warm-up runs on pad rows only; capturing itself executes nothing.
+        saved_device, saved_host = self._device.clone(), self._host.clone()
+        saved_counts = self._num_tokens32.clone()
+        self._fill_pads(0, bucket, width)
+        self._copy(bucket, width)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.forward(ids, ctx)
+        torch.cuda.current_stream().wait_stream(stream)
+        self._device.copy_(saved_device)
+        self._host.copy_(saved_host)
+        self._num_tokens32.copy_(saved_counts)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            hidden, logits = self.forward(ids, ctx)
+        self._pool = graph.pool()
+        logger.debug("captured the decode graph of batch size %d, width %d", bucket, width)
+        self._graphs[(bucket, width)] = _Graph(graph, hidden, logits, self.keep())
+        return self._graphs[(bucket, width)]
