@@ -3,8 +3,9 @@
 Decode: for each batch size and SSM backend, `batch` prompts of `--prompt-len` tokens are
 prefilled, `--warmup` decode steps run, then `--repeats` windows of `--steps` decode steps are
 timed (each window ends with a device sync; medians reported), then `--profile-steps` more run
-under `torch.profiler` (CUDA only) for the GPU columns: GPU time (all kernels, copies and memsets)
-over the profiled steps' wall time, blocking calls per step (cudaStreamSynchronize + cudaMemcpy),
+under `torch.profiler` (CUDA only) for the GPU columns: GPU time per step (all kernels, copies and
+memsets) and its share of the profiled steps' wall time ("profiled") and of the timed steps' median
+("timed": the profiler's host overhead left out), blocking calls per step (cudaStreamSynchronize + cudaMemcpy),
 kernel launch calls (cudaLaunchKernel*, cuLaunchKernel*) beside the kernels the GPU ran, and
 cudaGraphLaunch calls. The roofline is the step's floor (`roofline.py`) at the device copy
 bandwidth and bf16 matmul rate measured at the start of the same run: "bytes" counts every byte
@@ -28,6 +29,7 @@ import math
 import statistics
 import sys
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -156,6 +158,7 @@ def profile_steps(engine: Engine, steps: int, sync: Callable[[], None]) -> dict:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
     with gc_off(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         sync()
         t0 = time.perf_counter()
@@ -184,13 +187,15 @@ def decode_row(model: NemotronHForCausalLM, args: argparse.Namespace, backend: s
     device, sync = model.lm_head.weight.device, sync_fn(model.lm_head.weight.device)
     row: dict = {"backend": backend, "batch": batch}
     total = args.warmup + args.repeats * args.steps + args.profile_steps
-    config = engine_config(model, args, backend, batch, args.prompt_len + total + 8)
+    # Rows admitted in an earlier prefill step decode while later ones prefill: a token ahead per step.
+    ahead = math.ceil(batch * args.prompt_len / max(args.budget, batch)) + 1
+    config = engine_config(model, args, backend, batch, args.prompt_len + total + ahead + 8)
     row["skipped"] = fits(model, config, device)
     if row["skipped"]:
         return row
     engine = Engine(config, model, tokenizer=None)
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=total + 2, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=total + ahead, ignore_eos=True)
         prompts = random_prompts(batch, args.prompt_len, model.config.vocab_size, seed=args.seed + batch)
         requests = [engine.add_request(p, params) for p in prompts]
         sync()
@@ -229,6 +234,8 @@ def decode_row(model: NemotronHForCausalLM, args: argparse.Namespace, backend: s
                 "roofline_bytes_tok_s": batch / floor["bytes_s"], "roofline_tok_s": batch / floor["ops_s"]})
     row["of_roofline_bytes"] = row["tok_s"] / row["roofline_bytes_tok_s"]
     row["of_roofline"] = row["tok_s"] / row["roofline_tok_s"]
+    if "gpu_ms_per_step" in row:  # the profiler slows the host: the same GPU time over the timed steps' wall
+        row["gpu_busy_timed"] = row["gpu_ms_per_step"] / row["step_ms"]
     return row
 
 

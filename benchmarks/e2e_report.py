@@ -17,8 +17,9 @@ def print_tables(result: dict) -> None:
           f"on {meta['device_name']}; copy {meta['copy_gb_s']:.0f} GB/s, matmul {meta['matmul_tflop_s']:.1f} TFLOP/s "
           f"measured; {meta['prompt_len']}-token prompts, medians of {meta['repeats']} x {meta['steps']} steps")
     if result["decode"]:
-        print("| batch | backend | tok/s | step ms | GPU ms/step | GPU busy | syncs/step | launches / kernels per "
-              "step | graph launches/step | GB/step | roofline tok/s (bytes / +FLOPs) | of roofline (bytes / +FLOPs) |")
+        print("| batch | backend | tok/s | step ms | GPU ms/step | GPU busy (profiled / timed) | syncs/step | "
+              "launches / kernels per step | graph launches/step | GB/step | roofline tok/s (bytes / +FLOPs) | "
+              "of roofline (bytes / +FLOPs) |")
         print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in result["decode"]:
         if r.get("skipped"):
@@ -26,7 +27,8 @@ def print_tables(result: dict) -> None:
             continue
         g = r.get
         print(f"| {r['batch']} | {r['backend']} | {r['tok_s']:.0f} | {r['step_ms']:.2f} | "
-              f"{fmt(g('gpu_ms_per_step'), '.2f')} | {fmt(g('gpu_busy'), '.0%')} | {fmt(g('syncs_per_step'), '.0f')} | "
+              f"{fmt(g('gpu_ms_per_step'), '.2f')} | {fmt(g('gpu_busy'), '.0%')} / {fmt(g('gpu_busy_timed'), '.0%')} | "
+              f"{fmt(g('syncs_per_step'), '.0f')} | "
               f"{fmt(g('launches_per_step'), '.0f')} / {fmt(g('kernels_per_step'), '.0f')} | "
               f"{fmt(g('graph_launches_per_step'), '.0f')} | {fmt(g('gb_per_step'), '.2f')} | "
               f"{fmt(g('roofline_bytes_tok_s'), '.0f')} / {fmt(g('roofline_tok_s'), '.0f')} | "
