@@ -121,9 +121,10 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 
 def engine_config(model: NemotronHForCausalLM, args: argparse.Namespace, backend: str, seqs: int,
                   max_len: int) -> EngineConfig:
-    """KV blocks and Mamba slots for exactly `seqs` sequences of `max_len` tokens."""
+    """KV blocks and Mamba slots for exactly `seqs` sequences of `max_len` tokens; a token budget that
+    leaves prefill room beside `seqs` decoding rows."""
     return EngineConfig(model=model.config, dtype=args.dtype, device=args.device, max_num_seqs=seqs,
-                        max_num_batched_tokens=max(args.budget, seqs), max_model_len=max_len,
+                        max_num_batched_tokens=max(args.budget, 2 * seqs), max_model_len=max_len,
                         block_size=args.block_size, ssm_backend=backend, replay_window=args.window)
 
 
@@ -187,8 +188,10 @@ def decode_row(model: NemotronHForCausalLM, args: argparse.Namespace, backend: s
     device, sync = model.lm_head.weight.device, sync_fn(model.lm_head.weight.device)
     row: dict = {"backend": backend, "batch": batch}
     total = args.warmup + args.repeats * args.steps + args.profile_steps
-    # Rows admitted in an earlier prefill step decode while later ones prefill: a token ahead per step.
-    ahead = math.ceil(batch * args.prompt_len / max(args.budget, batch)) + 1
+    # Rows admitted in an earlier prefill step decode while later ones prefill, a token ahead per step;
+    # the decoding rows take their share of the budget, so a prefill step has at least budget - batch.
+    budget = max(args.budget, 2 * batch)
+    ahead = math.ceil(batch * args.prompt_len / (budget - batch)) + 2
     config = engine_config(model, args, backend, batch, args.prompt_len + total + ahead + 8)
     row["skipped"] = fits(model, config, device)
     if row["skipped"]:
@@ -362,13 +365,22 @@ def main(argv: list[str] | None = None) -> dict:
             except torch.OutOfMemoryError:
                 free_memory(device)
                 result["decode"].append({"backend": backend, "batch": batch, "skipped": "out of device memory"})
+            except RuntimeError as e:  # a broken row must not lose the others
+                print(f"decode {backend} batch {batch} FAILED: {e}", file=sys.stderr)
+                result["decode"].append({"backend": backend, "batch": batch, "skipped": f"FAILED: {e}"})
             print(f"done decode {backend} batch {batch}", file=sys.stderr, flush=True)
             save()
     if args.hf:
         result["decode"] += hf_rows(model, args)
         save()
     for backend in [] if args.skip_prefill else args.backends:
-        result["prefill"].append(prefill_row(model, args, backend, rates))
+        try:
+            result["prefill"].append(prefill_row(model, args, backend, rates))
+        except torch.OutOfMemoryError:
+            free_memory(device)
+            result["prefill"].append({"backend": backend, "prompts": args.prefill_prompts,
+                                      "prompt_len": args.prefill_len, "ttft_len": args.ttft_len,
+                                      "prefill_skipped": "out of device memory"})
         print(f"done prefill {backend}", file=sys.stderr, flush=True)
         save()
     print_tables(result)
