@@ -325,8 +325,8 @@ def hf_rows(model: NemotronHForCausalLM, args: argparse.Namespace) -> list[dict]
             try:
                 steps = generate(hf, batch, args.warmup + args.steps + 1)[args.warmup:]
                 row.update({"tok_s": batch / statistics.median(steps), "step_ms": 1e3 * statistics.median(steps)})
-            except torch.OutOfMemoryError:
-                row["skipped"] = "out of device memory"
+            except torch.OutOfMemoryError as e:
+                row["skipped"] = f"out of device memory ({str(e).split('.')[0]})"
             free_memory(device)
             rows.append(row)
             print(f"done transformers batch {batch}", file=sys.stderr, flush=True)
