@@ -3,9 +3,9 @@
 Decode: for each batch size and SSM backend, `batch` prompts of `--prompt-len` tokens are
 prefilled, `--warmup` decode steps run, then `--repeats` windows of `--steps` decode steps are
 timed (each window ends with a device sync; medians reported), then `--profile-steps` more run
-under `torch.profiler` (CUDA only) for the GPU columns: GPU time per step (all kernels, copies and
-memsets) and its share of the profiled steps' wall time ("profiled") and of the timed steps' median
-("timed": the profiler's host overhead left out), blocking calls per step (cudaStreamSynchronize + cudaMemcpy),
+under `torch.profiler` (CUDA only) for the GPU columns: kernel time per step and its share of the
+profiled steps' wall time ("profiled") and of the timed steps' median ("timed": without the
+profiler's host overhead), blocking calls per step (cudaStreamSynchronize + cudaMemcpy),
 kernel launch calls (cudaLaunchKernel*, cuLaunchKernel*) beside the kernels the GPU ran, and
 cudaGraphLaunch calls. The roofline is the step's floor (`roofline.py`) at the device copy
 bandwidth and bf16 matmul rate measured at the start of the same run: "bytes" counts every byte
@@ -13,10 +13,12 @@ at copy bandwidth, "+FLOPs" takes each projection at max(bytes, FLOPs) time.
 Prefill: `--prefill-prompts` prompts of `--prefill-len` tokens served to their first token (tokens/s,
 MFU against the measured matmul rate), and the time to first token of one `--ttft-len` prompt.
 `--hf` adds Hugging Face transformers' NemotronH on the same weights (decode steps timed inside
-`generate`). Rows that do not fit in device memory are skipped.
+`generate`). Rows that do not fit in device memory are skipped. Each engine's KV blocks and Mamba
+slots are sized for its batch and lengths, and freed before the next row.
 
-    python benchmarks/bench_e2e.py --device cuda --size nemotron-h-8b [--batch 1 16 64 256] [--hf] [--out DIR]
-    python benchmarks/bench_e2e.py --device cpu --size small     # seconds, float32
+    python benchmarks/bench_e2e.py --device cuda --size nemotron-h-8b --hf --out DIR   # H200: ~2 min
+        [--batch 1 16 64 256 512 --repeats 5]                                         # ~3.5 min
+    python benchmarks/bench_e2e.py --device cpu --size small     # float32, under a minute
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from e2e_report import plot, print_tables  # noqa: E402
-from roofline import decode_ops, floors, measure_rates, prefill_flops  # noqa: E402
+from roofline import STATE_PARTS, decode_ops, floors, measure_rates, prefill_flops  # noqa: E402
 from shapes import SIZES, model_config, random_model  # noqa: E402
 
 from replayserve.config import EngineConfig  # noqa: E402
@@ -169,13 +171,16 @@ def profile_steps(engine: Engine, steps: int, sync: Callable[[], None]) -> dict:
         wall = time.perf_counter() - t0
     events = prof.events()
     gpu = [e for e in events if e.device_type == DeviceType.CUDA]
+    copies = [e for e in gpu if e.name.startswith(("Memcpy", "Memset"))]
+    kernels = [e for e in gpu if not e.name.startswith(("Memcpy", "Memset"))]
     # Runtime (cuda*) and driver (cu*) calls are CPU-side events; aten ops are named aten::*.
     calls = Counter(e.name for e in events if e.device_type == DeviceType.CPU and e.name.startswith("cu"))
     per_step = {k: v / steps for k, v in sorted(calls.items())}
-    gpu_s = sum(e.time_range.elapsed_us() for e in gpu) / 1e6
+    gpu_s = sum(e.time_range.elapsed_us() for e in kernels) / 1e6
     return {"profiled_step_ms": 1e3 * wall / steps, "gpu_ms_per_step": 1e3 * gpu_s / steps, "gpu_busy": gpu_s / wall,
-            "kernels_per_step": sum(not e.name.startswith(("Memcpy", "Memset")) for e in gpu) / steps,
-            "d2h_copies_per_step": sum("DtoH" in e.name for e in gpu) / steps,
+            "kernels_per_step": len(kernels) / steps,
+            "copy_ms_per_step": sum(e.time_range.elapsed_us() for e in copies) / 1e3 / steps,
+            "d2h_copies_per_step": sum("DtoH" in e.name for e in copies) / steps,
             "syncs_per_step": per_step.get("cudaStreamSynchronize", 0) + per_step.get("cudaMemcpy", 0),
             "launches_per_step": sum(v for k, v in per_step.items()
                                      if k.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperative"))),
@@ -190,7 +195,7 @@ def decode_row(model: NemotronHForCausalLM, args: argparse.Namespace, backend: s
     total = args.warmup + args.repeats * args.steps + args.profile_steps
     # Rows admitted in an earlier prefill step decode while later ones prefill, a token ahead per step;
     # the decoding rows take their share of the budget, so a prefill step has at least budget - batch.
-    budget = max(args.budget, 2 * batch)
+    budget = max(args.budget, 2 * batch)  # as engine_config sets it
     ahead = math.ceil(batch * args.prompt_len / (budget - batch)) + 2
     config = engine_config(model, args, backend, batch, args.prompt_len + total + ahead + 8)
     row["skipped"] = fits(model, config, device)
@@ -231,9 +236,8 @@ def decode_row(model: NemotronHForCausalLM, args: argparse.Namespace, backend: s
     floor = floors(ops, rates)
     row.update({"tok_s": batch * args.steps / wall, "step_ms": 1e3 * wall / args.steps, "walls_s": walls,
                 "mean_context": statistics.mean(cached) + 1, "gb_per_step": sum(op.bytes for op in ops) / 1e9,
-                "bytes_by_part": {op.name: op.bytes for op in ops if op.name in
-                                  ("mamba state", "replay rings", "kv cache")}
-                | {"weights": sum(op.bytes for op in ops if op.flops or op.name == "other weights")},
+                "bytes_by_part": {"weights": sum(op.bytes for op in ops if op.name not in STATE_PARTS)}
+                | {op.name: op.bytes for op in ops if op.name in STATE_PARTS},
                 "roofline_bytes_tok_s": batch / floor["bytes_s"], "roofline_tok_s": batch / floor["ops_s"]})
     row["of_roofline_bytes"] = row["tok_s"] / row["roofline_bytes_tok_s"]
     row["of_roofline"] = row["tok_s"] / row["roofline_tok_s"]
@@ -326,7 +330,7 @@ def hf_rows(model: NemotronHForCausalLM, args: argparse.Namespace) -> list[dict]
                 steps = generate(hf, batch, args.warmup + args.steps + 1)[args.warmup:]
                 row.update({"tok_s": batch / statistics.median(steps), "step_ms": 1e3 * statistics.median(steps)})
             except torch.OutOfMemoryError as e:
-                row["skipped"] = f"out of device memory ({str(e).split('.')[0]})"
+                row["skipped"] = "out of device memory (" + ". ".join(str(e).split(". ")[:2]) + ")"
             free_memory(device)
             rows.append(row)
             print(f"done transformers batch {batch}", file=sys.stderr, flush=True)

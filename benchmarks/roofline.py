@@ -125,12 +125,16 @@ def kv_bytes(model: NemotronHForCausalLM, context_lens: list[float]) -> float:
     return cfg.num_attention_layers * per_token * sum(n + 1 for n in context_lens)
 
 
+# The non-weight parts of a decode step, as `decode_ops` names them.
+STATE_PARTS = ("mamba state", "replay rings", "kv cache")
+
+
 def decode_ops(model: NemotronHForCausalLM, backend: str, window: int, context_lens: list[float]) -> list[Op]:
     """Everything one decode step of len(context_lens) rows must move or compute."""
     rows = len(context_lens)
     mamba = mamba_bytes_per_row(model, backend, window)
-    return [*weight_ops(model, rows, rows), Op("mamba state", rows * mamba["state"], 0.0),
-            Op("replay rings", rows * mamba["rings"], 0.0), Op("kv cache", kv_bytes(model, context_lens), 0.0)]
+    parts = (rows * mamba["state"], rows * mamba["rings"], kv_bytes(model, context_lens))
+    return [*weight_ops(model, rows, rows), *(Op(name, b, 0.0) for name, b in zip(STATE_PARTS, parts, strict=True))]
 
 
 def floors(ops: list[Op], rates: dict[str, float]) -> dict[str, float]:
