@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from replayserve.config import ATTENTION, MOE
+from replayserve.config import MOE
 from replayserve.models.nemotron_h import NemotronHForCausalLM
 from replayserve.ssm.layout import MambaLayout
 
@@ -151,4 +151,4 @@ def prefill_flops(model: NemotronHForCausalLM, prompt_lens: list[int]) -> float:
     cfg = model.config
     linear = sum(op.flops for op in weight_ops(model, sum(prompt_lens), len(prompt_lens)))
     attn_pairs = sum(n * (n + 1) / 2 for n in prompt_lens)
-    return linear + cfg.layer_types.count(ATTENTION) * 4.0 * cfg.num_attention_heads * cfg.head_dim * attn_pairs
+    return linear + cfg.num_attention_layers * 4.0 * cfg.num_attention_heads * cfg.head_dim * attn_pairs
