@@ -21,7 +21,7 @@ def print_tables(result: dict) -> None:
               "launches / kernels per step | graph launches/step | GB/step | roofline tok/s (bytes / +FLOPs) | "
               "of roofline (bytes / +FLOPs) |")
         print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in result["decode"]:
+    for r in sorted(result["decode"], key=lambda r: r["backend"] == "transformers"):  # stable: engines first
         if r.get("skipped"):
             print(f"| {r['batch']} | {r['backend']} | skipped: {r['skipped']} |" + " |" * 9)
             continue
