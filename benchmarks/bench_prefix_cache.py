@@ -30,19 +30,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from shapes import LAYERS, SIZES  # noqa: E402
 
 from replayserve import LLM, SamplingParams  # noqa: E402
 from replayserve.tiny import make_tiny  # noqa: E402
 
-SIZES = {
-    "tiny": {},
-    # A few hundred million parameters: Nemotron-H-like layer mix, 8B-like Mamba head geometry.
-    "medium": {"hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64,
-               "intermediate_size": 2048, "mamba_num_heads": 32, "mamba_head_dim": 64, "ssm_state_size": 128,
-               "n_groups": 8, "chunk_size": 128, "moe_intermediate_size": 512,
-               "moe_shared_expert_intermediate_size": 512, "max_position_embeddings": 8192},
-}
-LAYERS = {"tiny": "M*-ME", "medium": "M-M*-M-M*-ME"}
 CONFIGS = [("off", "none"), ("on", "none"), ("on", "align"), ("on", "all")]
 
 

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_prefix_cache import LAYERS, SIZES  # noqa: E402
+from shapes import LAYERS, SIZES  # noqa: E402
 
 from replayserve import LLM, SamplingParams  # noqa: E402
 from replayserve.spec.proposers import OracleProposer  # noqa: E402

@@ -16,7 +16,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_prefix_cache import LAYERS, SIZES, make_llm, prompts, run_wave  # noqa: E402
+from bench_prefix_cache import make_llm, prompts, run_wave  # noqa: E402
+from shapes import LAYERS, SIZES  # noqa: E402
 
 from replayserve.tiny import make_tiny  # noqa: E402
 

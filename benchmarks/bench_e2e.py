@@ -1,0 +1,399 @@
+"""End-to-end engine throughput on a random-weight model of a named shape, built in memory.
+
+Decode: for each batch size and SSM backend, `batch` prompts of `--prompt-len` tokens are
+prefilled, `--warmup` decode steps run, then `--repeats` windows of `--steps` decode steps are
+timed (each window ends with a device sync; medians reported), then `--profile-steps` more run
+under `torch.profiler` (CUDA only) for the GPU columns: kernel time per step and its share of the
+profiled steps' wall time ("profiled") and of the timed steps' median ("timed": without the
+profiler's host overhead), blocking calls per step (cudaStreamSynchronize + cudaMemcpy),
+kernel launch calls (cudaLaunchKernel*, cuLaunchKernel*) beside the kernels the GPU ran, and
+cudaGraphLaunch calls. The roofline is the step's floor (`roofline.py`) at the device copy
+bandwidth and bf16 matmul rate measured at the start of the same run: "bytes" counts every byte
+at copy bandwidth, "+FLOPs" takes each projection at max(bytes, FLOPs) time.
+Prefill: `--prefill-prompts` prompts of `--prefill-len` tokens served to their first token (tokens/s,
+MFU against the measured matmul rate), and the time to first token of one `--ttft-len` prompt.
+`--hf` adds Hugging Face transformers' NemotronH on the same weights (decode steps timed inside
+`generate`). Rows that do not fit in device memory are skipped. Each engine's KV blocks and Mamba
+slots are sized for its batch and lengths, and freed before the next row.
+
+    python benchmarks/bench_e2e.py --device cuda --size nemotron-h-8b --hf --out DIR   # H200: ~2 min
+        [--batch 1 16 64 256 512 --repeats 5]                                         # ~3.5 min
+    python benchmarks/bench_e2e.py --device cpu --size small     # float32, under a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from e2e_report import plot, print_tables  # noqa: E402
+from roofline import STATE_PARTS, decode_ops, floors, measure_rates, prefill_flops  # noqa: E402
+from shapes import SIZES, model_config, random_model  # noqa: E402
+
+from replayserve.config import EngineConfig  # noqa: E402
+from replayserve.engine.engine import Engine  # noqa: E402
+from replayserve.engine.request import SamplingParams, Status  # noqa: E402
+from replayserve.models.nemotron_h import NemotronHForCausalLM  # noqa: E402
+from replayserve.ssm.layout import MambaLayout  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GiB = 1 << 30
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--size", choices=sorted(SIZES), default="small")
+    p.add_argument("--batch", type=int, nargs="+", help="decode batch sizes (default 1 16 64 256; CPU 1 16)")
+    p.add_argument("--backends", nargs="+", choices=["baseline", "replay"], default=["baseline", "replay"])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=16, help="decode steps per timed window")
+    p.add_argument("--warmup", type=int, default=4, help="decode steps before timing")
+    p.add_argument("--repeats", type=int, default=3, help="timed windows (and prefill runs); medians reported")
+    p.add_argument("--profile-steps", type=int, default=3, help="decode steps under torch.profiler (CUDA)")
+    p.add_argument("--window", type=int, default=16, help="replay_window of the replay backend")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--budget", type=int, default=16384, help="max_num_batched_tokens")
+    p.add_argument("--prefill-prompts", type=int, help="default 16 (CPU 4)")
+    p.add_argument("--prefill-len", type=int, help="default 1024 (CPU 256)")
+    p.add_argument("--ttft-len", type=int, help="default 4096 (CPU 1024)")
+    p.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--skip-prefill", action="store_true")
+    p.add_argument("--hf", action="store_true", help="also time transformers' NemotronH decode")
+    p.add_argument("--hf-batch", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU intra-op threads: the CPU path's small ops run fastest on one, and spinning "
+                        "OpenMP threads on a busy machine make steps several times slower")
+    p.add_argument("--out", type=Path, help="directory for bench_e2e.json and bench_e2e.png")
+    args = p.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    # The CPU runs the plain-PyTorch reference ops: its defaults keep a run to seconds.
+    for name, gpu, cpu in (("batch", [1, 16, 64, 256], [1, 16]), ("prefill_prompts", 16, 4),
+                           ("prefill_len", 1024, 256), ("ttft_len", 4096, 1024),
+                           ("dtype", "bfloat16", "float32")):
+        if getattr(args, name) is None:
+            setattr(args, name, gpu if cuda else cpu)
+    if cuda and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device")
+    return args
+
+
+def sync_fn(device: torch.device) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+@contextlib.contextmanager
+def gc_off() -> Iterator[None]:
+    """The collector's pauses would land in whichever step they hit."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n, length), generator=gen).tolist()
+
+
+def engine_config(model: NemotronHForCausalLM, args: argparse.Namespace, backend: str, seqs: int,
+                  max_len: int) -> EngineConfig:
+    """KV blocks and Mamba slots for exactly `seqs` sequences of `max_len` tokens; a token budget that
+    leaves prefill room beside `seqs` decoding rows."""
+    return EngineConfig(model=model.config, dtype=args.dtype, device=args.device, max_num_seqs=seqs,
+                        max_num_batched_tokens=max(args.budget, 2 * seqs), max_model_len=max_len,
+                        block_size=args.block_size, ssm_backend=backend, replay_window=args.window)
+
+
+def resident_bytes(model: NemotronHForCausalLM, config: EngineConfig) -> int:
+    """Device memory an engine allocates beside the weights: Mamba slots and the KV cache."""
+    m, dtype = config.model, model.backbone.embeddings.weight.dtype
+    window = config.replay_window if config.ssm_backend == "replay" else 0
+    layout = MambaLayout.from_config(m, config.max_num_seqs, dtype, window=window)
+    shapes = [(layout.conv_state_shape, layout.act_dtype), (layout.ssm_state_shape, layout.state_dtype)]
+    if window:
+        shapes += [(layout.x_ring_shape, layout.act_dtype), (layout.dt_ring_shape, layout.state_dtype),
+                   (layout.b_ring_shape, layout.act_dtype)]
+    mamba = layout.num_layers * sum(math.prod(s) * d.itemsize for s, d in shapes)
+    kv = (2 * m.num_attention_layers * config.resolved_num_kv_blocks * config.block_size * m.num_key_value_heads
+          * m.head_dim * dtype.itemsize)
+    return mamba + kv
+
+
+def fits(model: NemotronHForCausalLM, config: EngineConfig, device: torch.device) -> str | None:
+    """None, or why the engine would not fit in free device memory (with room for a prefill step)."""
+    if device.type != "cuda":
+        return None
+    m = config.model
+    widths = max(m.intermediate_size, 2 * m.mamba_intermediate_size + 2 * m.n_groups * m.ssm_state_size)
+    activations = 6 * config.max_num_batched_tokens * widths * model.backbone.embeddings.weight.element_size()
+    need, free = resident_bytes(model, config) + activations, torch.cuda.mem_get_info(device)[0]
+    return None if need < 0.95 * free else f"needs ~{need / GiB:.1f} GiB, {free / GiB:.1f} GiB free"
+
+
+def profile_steps(engine: Engine, steps: int, sync: Callable[[], None]) -> dict:
+    """Per-step GPU time and CUDA API calls of `steps` decode steps under torch.profiler."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
+    with gc_off(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync()
+        wall = time.perf_counter() - t0
+    events = prof.events()
+    gpu = [e for e in events if e.device_type == DeviceType.CUDA]
+    copies = [e for e in gpu if e.name.startswith(("Memcpy", "Memset"))]
+    kernels = [e for e in gpu if not e.name.startswith(("Memcpy", "Memset"))]
+    # Runtime (cuda*) and driver (cu*) calls are CPU-side events; aten ops are named aten::*.
+    calls = Counter(e.name for e in events if e.device_type == DeviceType.CPU and e.name.startswith("cu"))
+    per_step = {k: v / steps for k, v in sorted(calls.items())}
+    gpu_s = sum(e.time_range.elapsed_us() for e in kernels) / 1e6
+    return {"profiled_step_ms": 1e3 * wall / steps, "gpu_ms_per_step": 1e3 * gpu_s / steps, "gpu_busy": gpu_s / wall,
+            "kernels_per_step": len(kernels) / steps,
+            "copy_ms_per_step": sum(e.time_range.elapsed_us() for e in copies) / 1e3 / steps,
+            "d2h_copies_per_step": sum("DtoH" in e.name for e in copies) / steps,
+            "syncs_per_step": per_step.get("cudaStreamSynchronize", 0) + per_step.get("cudaMemcpy", 0),
+            "launches_per_step": sum(v for k, v in per_step.items()
+                                     if k.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperative"))),
+            "graph_launches_per_step": per_step.get("cudaGraphLaunch", 0), "api_calls_per_step": per_step}
+
+
+def decode_row(model: NemotronHForCausalLM, args: argparse.Namespace, backend: str, batch: int,
+               rates: dict[str, float]) -> dict:
+    """One (backend, batch) row: timed decode windows, the profile, and the roofline."""
+    device, sync = model.lm_head.weight.device, sync_fn(model.lm_head.weight.device)
+    row: dict = {"backend": backend, "batch": batch}
+    total = args.warmup + args.repeats * args.steps + args.profile_steps
+    # Rows admitted in an earlier prefill step decode while later ones prefill, a token ahead per step;
+    # the decoding rows take their share of the budget, so a prefill step has at least budget - batch.
+    budget = max(args.budget, 2 * batch)  # as engine_config sets it
+    ahead = math.ceil(batch * args.prompt_len / (budget - batch)) + 2
+    config = engine_config(model, args, backend, batch, args.prompt_len + total + ahead + 8)
+    row["skipped"] = fits(model, config, device)
+    if row["skipped"]:
+        return row
+    engine = Engine(config, model, tokenizer=None)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=total + ahead, ignore_eos=True)
+        prompts = random_prompts(batch, args.prompt_len, model.config.vocab_size, seed=args.seed + batch)
+        requests = [engine.add_request(p, params) for p in prompts]
+        sync()
+        t0 = time.perf_counter()
+        while not all(r.decoding for r in requests):
+            engine.step()
+        sync()
+        row["prefill_s"] = time.perf_counter() - t0
+        for _ in range(args.warmup):
+            engine.step()
+        cached = [r.num_tokens - 1 + (args.repeats * args.steps - 1) / 2 for r in requests]  # mean over timed steps
+        walls = []
+        with gc_off():
+            for _ in range(args.repeats):
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    engine.step()
+                sync()
+                walls.append(time.perf_counter() - t0)
+        if device.type == "cuda" and args.profile_steps:
+            row.update(profile_steps(engine, args.profile_steps, sync))
+        if engine.scheduler.num_preemptions or any(r.status is not Status.RUNNING for r in requests):
+            raise RuntimeError(f"{backend} batch {batch}: a request was preempted or finished while timed")
+    finally:
+        del engine
+        free_memory(device)
+        if device.type == "cuda":  # the weights alone, unless an engine leaks
+            row["allocated_gb_after"] = torch.cuda.memory_allocated(device) / GiB
+    wall = statistics.median(walls)
+    ops = decode_ops(model, backend, args.window, cached)
+    floor = floors(ops, rates)
+    row.update({"tok_s": batch * args.steps / wall, "step_ms": 1e3 * wall / args.steps, "walls_s": walls,
+                "mean_context": statistics.mean(cached) + 1, "gb_per_step": sum(op.bytes for op in ops) / 1e9,
+                "bytes_by_part": {"weights": sum(op.bytes for op in ops if op.name not in STATE_PARTS)}
+                | {op.name: op.bytes for op in ops if op.name in STATE_PARTS},
+                "roofline_bytes_tok_s": batch / floor["bytes_s"], "roofline_tok_s": batch / floor["ops_s"]})
+    row["of_roofline_bytes"] = row["tok_s"] / row["roofline_bytes_tok_s"]
+    row["of_roofline"] = row["tok_s"] / row["roofline_tok_s"]
+    if "gpu_ms_per_step" in row:  # the profiler slows the host: the same GPU time over the timed steps' wall
+        row["gpu_busy_timed"] = row["gpu_ms_per_step"] / row["step_ms"]
+    return row
+
+
+def serve_to_first_token(engine: Engine, prompts: list[list[int]], sync: Callable[[], None]) -> float:
+    """Seconds until every prompt has its first token (max_tokens = 1)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    sync()
+    t0 = time.perf_counter()
+    with gc_off():
+        while engine.has_unfinished():
+            engine.step()
+        sync()
+    return time.perf_counter() - t0
+
+
+def prefill_row(model: NemotronHForCausalLM, args: argparse.Namespace, backend: str, rates: dict[str, float]) -> dict:
+    device, sync = model.lm_head.weight.device, sync_fn(model.lm_head.weight.device)
+    row: dict = {"backend": backend, "prompts": args.prefill_prompts, "prompt_len": args.prefill_len,
+                 "ttft_len": args.ttft_len}
+    for key, n, length in (("prefill", args.prefill_prompts, args.prefill_len), ("ttft", 1, args.ttft_len)):
+        config = engine_config(model, args, backend, n, length + 8)
+        skipped = fits(model, config, device)
+        if skipped:
+            row[f"{key}_skipped"] = skipped
+            continue
+        engine = Engine(config, model, tokenizer=None)
+        try:
+            prompts = random_prompts(n, length, model.config.vocab_size, seed=args.seed + length)
+            serve_to_first_token(engine, prompts, sync)  # warm-up: kernels compiled, allocator primed
+            times = [serve_to_first_token(engine, prompts, sync) for _ in range(args.repeats)]
+        finally:
+            del engine
+            free_memory(device)
+        seconds = statistics.median(times)
+        mfu = prefill_flops(model, [length] * n) / seconds / rates["matmul_flop_per_s"]
+        row.update({f"{key}_s": times, f"{key}_tok_s": n * length / seconds, f"{key}_mfu": mfu})
+    return row
+
+
+def hf_rows(model: NemotronHForCausalLM, args: argparse.Namespace) -> list[dict]:
+    """transformers' NemotronH sharing our weights: decode step times read inside `generate` by a
+    logits processor (called once per generated token, after the device has finished the step)."""
+    from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, NemotronHConfig
+    from transformers import NemotronHForCausalLM as HFNemotronH
+
+    device, sync = model.lm_head.weight.device, sync_fn(model.lm_head.weight.device)
+    cfg = model.config.to_hf_dict()
+    with torch.device("meta"):
+        hf = HFNemotronH(NemotronHConfig.from_dict(cfg))
+    # Our names are the checkpoint's (`backbone.*`); transformers' in-memory names use `model.*`.
+    state = {("model." + k[len("backbone."):] if k.startswith("backbone.") else k): v
+             for k, v in model.state_dict().items()}
+    hf.load_state_dict(state, strict=True, assign=True)
+    hf.eval()
+    hf.generation_config.eos_token_id = None  # never stop early (ignore_eos)
+
+    class StepClock(LogitsProcessor):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            sync()
+            self.times.append(time.perf_counter())
+            return scores
+
+    def generate(hf: HFNemotronH, batch: int, new_tokens: int) -> list[float]:
+        clock = StepClock()
+        ids = torch.tensor(random_prompts(batch, args.prompt_len, model.config.vocab_size, seed=args.seed + batch),
+                           device=device)
+        gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                   pad_token_id=model.config.pad_token_id, use_cache=True)
+        with torch.inference_mode():
+            hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen_cfg,
+                        logits_processor=LogitsProcessorList([clock]))
+        return [b - a for a, b in zip(clock.times, clock.times[1:], strict=False)]
+
+    rows = []
+    try:
+        generate(hf, 1, 2)  # warm-up
+        for batch in args.hf_batch:
+            row: dict = {"backend": "transformers", "batch": batch}
+            try:
+                steps = generate(hf, batch, args.warmup + args.steps + 1)[args.warmup:]
+                row.update({"tok_s": batch / statistics.median(steps), "step_ms": 1e3 * statistics.median(steps)})
+            except torch.OutOfMemoryError as e:
+                row["skipped"] = "out of device memory (" + ". ".join(str(e).split(". ")[:2]) + ")"
+            free_memory(device)
+            rows.append(row)
+            print(f"done transformers batch {batch}", file=sys.stderr, flush=True)
+    finally:
+        del hf
+        free_memory(device)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model = random_model(model_config(args.size), DTYPES[args.dtype], device, seed=args.seed)
+    rates = measure_rates(device, DTYPES[args.dtype])
+    params = sum(p.numel() for p in model.parameters())
+    result: dict = {"meta": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+                             "torch": torch.__version__, "params_b": params / 1e9,
+                             "weights_gb": sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9,
+                             "copy_gb_s": rates["copy_bytes_per_s"] / 1e9,
+                             "matmul_tflop_s": rates["matmul_flop_per_s"] / 1e12},
+                    "decode": [], "prefill": []}
+
+    def save() -> None:  # after every section, so a run cut short keeps what it measured
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "bench_e2e.json").write_text(json.dumps(result, indent=2))
+
+    if args.hf:  # first: on the H200 its batch-64 prefill fits beside the weights alone, not after the engines' rows
+        result["decode"] += hf_rows(model, args)
+        save()
+    for batch in [] if args.skip_decode else args.batch:
+        for backend in args.backends:
+            try:
+                result["decode"].append(decode_row(model, args, backend, batch, rates))
+            except torch.OutOfMemoryError:
+                free_memory(device)
+                result["decode"].append({"backend": backend, "batch": batch, "skipped": "out of device memory"})
+            except RuntimeError as e:  # a broken row must not lose the others
+                print(f"decode {backend} batch {batch} FAILED: {e}", file=sys.stderr)
+                result["decode"].append({"backend": backend, "batch": batch, "skipped": f"FAILED: {e}"})
+            print(f"done decode {backend} batch {batch}", file=sys.stderr, flush=True)
+            save()
+    for backend in [] if args.skip_prefill else args.backends:
+        try:
+            result["prefill"].append(prefill_row(model, args, backend, rates))
+        except torch.OutOfMemoryError:
+            free_memory(device)
+            result["prefill"].append({"backend": backend, "prompts": args.prefill_prompts,
+                                      "prompt_len": args.prefill_len, "ttft_len": args.ttft_len,
+                                      "prefill_skipped": "out of device memory"})
+        print(f"done prefill {backend}", file=sys.stderr, flush=True)
+        save()
+    print_tables(result)
+    if args.out:
+        plot(result, args.out / "bench_e2e.png")
+    return result
+
+
+if __name__ == "__main__":
+    main()

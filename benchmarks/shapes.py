@@ -1,0 +1,86 @@
+"""Named model shapes for the benchmarks, and random-weight models of them built in memory.
+
+A shape is a layer pattern (`LAYERS`, the `hybrid_override_pattern` alphabet: M Mamba2, * attention,
+- MLP, E MoE) plus `ModelConfig` fields that replace `replayserve.tiny.tiny_config`'s (`SIZES`).
+`make_tiny(dir, layers=LAYERS[s], **SIZES[s])` writes one to disk; `random_model` builds one on the
+device directly (no checkpoint), which is the only practical way for `nemotron-h-8b`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from replayserve.config import ModelConfig
+from replayserve.models.nemotron_h import NemotronHForCausalLM
+from replayserve.tiny import tiny_config
+
+SIZES: dict[str, dict] = {
+    "tiny": {},
+    # Runs the end-to-end benchmark in seconds on a CPU; 8B-like layer mix, everything narrow.
+    "small": {"hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
+              "intermediate_size": 1024, "mamba_num_heads": 8, "mamba_head_dim": 32, "ssm_state_size": 32,
+              "n_groups": 2, "chunk_size": 32, "max_position_embeddings": 8192},
+    # A few hundred million parameters: Nemotron-H-like layer mix, 8B-like Mamba head geometry.
+    "medium": {"hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64,
+               "intermediate_size": 2048, "mamba_num_heads": 32, "mamba_head_dim": 64, "ssm_state_size": 128,
+               "n_groups": 8, "chunk_size": 128, "moe_intermediate_size": 512,
+               "moe_shared_expert_intermediate_size": 512, "max_position_embeddings": 8192},
+    # nvidia/Nemotron-H-8B-Base-8K: 8.1B parameters, 16.2 GB in bf16.
+    "nemotron-h-8b": {"vocab_size": 131072, "hidden_size": 4096, "num_attention_heads": 32,
+                      "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 21504,
+                      "mamba_num_heads": 128, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8,
+                      "conv_kernel": 4, "chunk_size": 128, "max_position_embeddings": 8192},
+}
+LAYERS: dict[str, str] = {
+    "tiny": "M*-ME",
+    "small": "M-M-M*-M-M-M*-",
+    "medium": "M-M*-M-M*-ME",
+    # 24 Mamba2, 24 MLP, 4 attention layers (the checkpoint's hybrid_override_pattern).
+    "nemotron-h-8b": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+}
+
+
+def model_config(size: str) -> ModelConfig:
+    """The ModelConfig of a named shape (vocabulary 512 unless the shape sets one)."""
+    if size not in SIZES:
+        raise ValueError(f"unknown model shape {size!r}; known: {sorted(SIZES)}")
+    return dataclasses.replace(tiny_config(LAYERS[size]), **SIZES[size])
+
+
+@torch.no_grad()
+def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 seed: int = 0) -> NemotronHForCausalLM:
+    """A model of `cfg` with random weights, allocated and drawn on `device`.
+
+    The value rules are `replayserve.tiny.init_random_weights`'s (unit norms and D, A_log = log(1..H),
+    log-uniform time steps, fan-in scaled matrices), drawn with a generator on the device: the CPU
+    generator that function uses takes minutes for 8B parameters.
+    """
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = NemotronHForCausalLM(cfg)
+    model.to_empty(device=device)
+    model.cast_(dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.backbone.embeddings.weight
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith(("norm.weight", "norm_f.weight", ".D")):
+            p.fill_(1.0)
+        elif name.endswith("A_log"):
+            p.copy_(torch.log(torch.arange(1, p.numel() + 1, dtype=torch.float32, device=device)))
+        elif name.endswith("dt_bias"):
+            lo, hi = math.log(1e-3), math.log(0.1)
+            dt = torch.exp(torch.rand(p.shape, generator=gen, device=device) * (hi - lo) + lo)
+            p.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            std = 1.0 if "embeddings" in name else 1.5 / math.sqrt(p.shape[-1] if p.dim() > 1 else 1)
+            p.normal_(0.0, std, generator=gen)
+    for buffer in model.buffers():  # to_empty leaves them uninitialised (MoE score-correction bias)
+        buffer.zero_()
+    return model.eval()
