@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 from typing import TYPE_CHECKING
 
@@ -12,7 +11,7 @@ from replayserve.config import EngineConfig
 from replayserve.engine.context import StepContext
 from replayserve.engine.cuda_graph import DecodeGraphs
 from replayserve.engine.request import SamplingParams
-from replayserve.engine.sampler import SampleResult, sample, sample_verify
+from replayserve.engine.sampler import SampleResult, sample
 from replayserve.engine.scheduler import StepPlan
 from replayserve.layers.mamba2 import Mamba2Mixer
 from replayserve.layers.mlp import MoE
@@ -177,24 +176,11 @@ class Runner:
 
     def _sample(self, plan: StepPlan, picks: list[range], logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None]) -> list[SampleResult]:
-        """Plain rows are sampled as one batch; verify rows one by one (acceptance is per row), with
-        the greedy rows' argmaxes moved to the host in one transfer."""
+        """All sampling rows as one batch on the device, one transfer to the host. A row's logits are
+        at its last len(pick) tokens; the ones after the first are its drafts (a verify row)."""
         sampling = [s for s in plan.seqs if s.sample]
-        offsets = list(itertools.accumulate((len(r) for r in picks), initial=0))
-        plain = [i for i, s in enumerate(sampling) if not s.num_drafts]
-        results: list[SampleResult | None] = [None] * len(sampling)
-        if plain:
-            rows = logits[self._ids([offsets[i] for i in plain])]
-            for i, r in zip(plain, sample(rows, [params[i] for i in plain], [generators[i] for i in plain]),
-                            strict=True):
-                results[i] = r
-        verify = [i for i, s in enumerate(sampling) if s.num_drafts]
-        argmax = logits.argmax(dim=-1).tolist() if any(params[i].greedy for i in verify) else []
-        for i in verify:
-            best = argmax[offsets[i] : offsets[i + 1]] if params[i].greedy else None
-            results[i] = sample_verify(logits[offsets[i] : offsets[i + 1]], sampling[i].token_ids[1:], params[i],
-                                       generators[i], best)
-        return [r for r in results if r is not None]
+        drafts = [s.token_ids[len(s.token_ids) - len(r) + 1 :] for s, r in zip(sampling, picks, strict=True)]
+        return sample(logits, params, generators, drafts)
 
     def _record_hidden(self, plan: StepPlan, hidden: torch.Tensor, results: list[SampleResult]) -> None:
         """Final hidden states of the positions this step computed for good (a verify row: the

@@ -1,13 +1,37 @@
-"""Turns the logits of the sequences that sample this step into tokens and log-probabilities."""
+"""Turns a step's logits into tokens on the device, for all its sampling rows at once.
+
+A row is one sequence that samples this step. A plain row has one position (the logits after its
+last token); a speculative verify row has 1 + k (after its last known token and after each of its
+k drafts). Positions are flattened in row order: logits (N, V), N = sum over rows of 1 + k.
+
+Per position, in float32 (float64 when the logits are float64):
+1. Filter: temperature, then top-k, then top-p, each a per-position tensor of `SamplingBatch`.
+   The most likely token always survives, whatever the parameters round to in the compute dtype.
+2. Draw one token from the filtered distribution p by an exponential race: with E(t) ~ Exp(1)
+   independent per token, argmax_t p(t) / E(t) is token t with probability p(t). Seeded rows draw
+   their E from their own generator, so a seed gives the same tokens whichever requests share the
+   batch; the other rows share one batched draw. Greedy rows take the argmax of the logits.
+3. Verify (`spec.acceptance.accept_drafts`): a row keeps its leading drafts that equal the draws
+   at their positions and emits the draws at positions 0..accepted; for one-hot drafts that is
+   lossless rejection sampling, for greedy rows argmax prefix matching.
+4. Log-probabilities of the model's distribution (before temperature and truncation), only when
+   some row asks: the emitted token's and the top-k.
+Tokens, accepted counts and the requested log-probabilities are packed into one tensor and reach
+the host in one transfer.
+
+A new per-request parameter (min_p, presence / frequency / repetition penalties) is one more (N,)
+tensor in `SamplingBatch`, filled in `SamplingBatch.build`, and one more step in `filter_logits`.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from replayserve.engine.request import SamplingParams
-from replayserve.spec.acceptance import accept_argmax, greedy_accept, rejection_accept
+from replayserve.spec.acceptance import accept_drafts
 
 
 @dataclass(frozen=True)
@@ -23,8 +47,183 @@ class SampleResult:
         return self.tokens[-1]
 
 
-def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """(V,) logits -> temperature-scaled logits with top-k / top-p cut to -inf."""
+def compute_dtype(logits_dtype: torch.dtype) -> torch.dtype:
+    """The dtype sampling filters in: float64 for float64 logits, float32 otherwise."""
+    return torch.float64 if logits_dtype == torch.float64 else torch.float32
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """One step's sampling parameters per position (N,) on the device, and the host-side facts
+    that let the sampler run without reading the device. Built once per step by `build`."""
+
+    temperature: torch.Tensor  # (N,) compute dtype: 0 on greedy rows, otherwise >= the dtype's tiny
+    top_k: torch.Tensor  # (N,) int64: 0 = off
+    top_p: torch.Tensor  # (N,) compute dtype: 1 = off
+    drafts: torch.Tensor  # (N,) int64: the draft each position's distribution verifies, -1 at a row's last
+    grid_index: torch.Tensor  # (N,) int64: row * width + j at position j of a row
+    row_starts: tuple[int, ...]  # (R + 1,) each row's first position, then N
+    width: int  # positions of the longest row: 1 + its drafts
+    seeded: tuple[tuple[int, int, torch.Generator], ...]  # (first, end) positions and generator of seeded rows
+    logprobs: tuple[int | None, ...]  # per row: SamplingParams.logprobs
+    all_greedy: bool
+    max_top_k: int  # the largest top_k of a row that truncates by it; 0 when none does
+    any_top_p: bool  # some row truncates by top_p
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_starts) - 1
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+              drafts: Sequence[Sequence[int]], vocab_size: int, dtype: torch.dtype,
+              device: torch.device) -> SamplingBatch:
+        """One SamplingParams, generator (or None) and draft tuple (empty for a plain row) per row;
+        dtype: the compute dtype. Two host-to-device copies: the float and the integer columns."""
+        tiny = torch.finfo(dtype).tiny
+        width = 1 + max((len(d) for d in drafts), default=0)
+        temperature: list[float] = []
+        top_p: list[float] = []
+        top_k: list[int] = []
+        draft_ids: list[int] = []
+        grid: list[int] = []
+        starts = [0]
+        seeded: list[tuple[int, int, torch.Generator]] = []
+        for row, (p, gen, d) in enumerate(zip(params, generators, drafts, strict=True)):
+            n = 1 + len(d)
+            # A positive temperature that rounds to 0 in `dtype` must not read as greedy.
+            temperature += [0.0 if p.greedy else max(p.temperature, tiny)] * n
+            top_p += [1.0 if p.greedy else p.top_p] * n
+            top_k += [p.top_k if not p.greedy and 0 < p.top_k < vocab_size else 0] * n
+            draft_ids += [*d, -1]
+            grid += range(row * width, row * width + n)
+            if gen is not None and not p.greedy:
+                seeded.append((starts[-1], starts[-1] + n, gen))
+            starts.append(starts[-1] + n)
+        floats = torch.tensor([temperature, top_p], dtype=dtype, device=device)
+        ints = torch.tensor([top_k, draft_ids, grid], dtype=torch.int64, device=device)
+        return cls(
+            temperature=floats[0], top_p=floats[1], top_k=ints[0], drafts=ints[1], grid_index=ints[2],
+            row_starts=tuple(starts), width=width, seeded=tuple(seeded),
+            logprobs=tuple(p.logprobs for p in params), all_greedy=all(p.greedy for p in params),
+            max_top_k=max(top_k, default=0), any_top_p=any(v < 1.0 for v in top_p),
+        )
+
+
+def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits (N, V), any float dtype -> (N, V) in the compute dtype: shifted so each row's maximum
+    is 0, divided by the temperature (1 on greedy rows), top-k and top-p cut to -inf.
+
+    Each row is computed on its own: a row's NaN or inf stays in that row."""
+    x = logits.to(compute_dtype(logits.dtype))
+    temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)
+    # Shifting first keeps the most likely token at 0 (probability >= 1 / V) however small the
+    # temperature: x / t alone can overflow to inf and give NaN probabilities.
+    x = (x - x.amax(dim=-1, keepdim=True)) / temperature[:, None]
+    if batch.any_top_p:
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        if batch.max_top_k:
+            sorted_x = _cut_below_kth(sorted_x, sorted_x, batch.top_k)
+        probs = sorted_x.softmax(dim=-1)
+        # The smallest prefix whose mass reaches top_p; its first token is kept outright, since
+        # top_p may round to 0 and the cumulative sum may round past it.
+        drop = (probs.cumsum(dim=-1) - probs >= batch.top_p[:, None]) & (batch.top_p < 1)[:, None]
+        drop[:, 0] = False
+        x = x.scatter(-1, order, sorted_x.masked_fill(drop, -torch.inf))
+    elif batch.max_top_k:
+        x = _cut_below_kth(x, x.topk(batch.max_top_k, dim=-1).values, batch.top_k)
+    return x
+
+
+def _cut_below_kth(x: torch.Tensor, descending: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """x (N, V) with the values below each row's top_k-th largest set to -inf (ties kept; top_k 0
+    keeps all). descending (N, >= max top_k): each row's largest values, largest first."""
+    kth = descending.gather(-1, (top_k.clamp(min=1) - 1)[:, None])
+    kth = kth.masked_fill((top_k == 0)[:, None], -torch.inf)
+    return x.masked_fill(x < kth, -torch.inf)
+
+
+def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draws a token at every position and verifies the drafts; nothing is read back to the host.
+
+    Args:
+        logits: (N, V), any float dtype, positions in `batch` order.
+        batch: the step's parameters.
+
+    Returns:
+        draws: (N,) int64, the token drawn at each position (greedy rows: the argmax of the logits).
+        accepted: (R,) int64, drafts each row keeps; the row emits draws[start : start + accepted + 1].
+    """
+    draws = logits.argmax(dim=-1)
+    if not batch.all_greedy:
+        probs = filter_logits(logits, batch).softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_()
+        for start, end, generator in batch.seeded:
+            noise[start:end].exponential_(generator=generator)
+        # An Exp(1) draw can be 0; at the dtype's tiny p / noise stays finite, as p <= 1.
+        sampled = (probs / noise.clamp_(min=torch.finfo(probs.dtype).tiny)).argmax(dim=-1)
+        draws = torch.where(batch.temperature == 0, draws, sampled)
+    accepted = accept_drafts(draws, batch.drafts, batch.grid_index, batch.num_rows, batch.width)
+    return draws, accepted
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+           drafts: Sequence[Sequence[int]] | None = None) -> list[SampleResult]:
+    """Samples every row of a step; one device-to-host transfer.
+
+    Args:
+        logits: (N, V), any float dtype: row i's 1 + len(drafts[i]) positions, rows in order.
+        params, generators: one SamplingParams and generator (None: unseeded) per row.
+        drafts: per row, the drafts its positions verify; None: every row is plain.
+
+    Returns:
+        One SampleResult per row. Reported log-probabilities are those of the model's distribution,
+        before temperature and truncation.
+    """
+    drafts = [()] * len(params) if drafts is None else drafts
+    dtype = compute_dtype(logits.dtype)
+    batch = SamplingBatch.build(params, generators, drafts, logits.shape[-1], dtype, logits.device)
+    draws, accepted = sample_tokens(logits, batch)
+    parts = [draws, accepted]
+    k_max = max((k for k in batch.logprobs if k is not None), default=None)
+    if k_max is not None:
+        logprobs = torch.log_softmax(logits.to(dtype), dim=-1)
+        parts.append(logprobs.gather(-1, draws[:, None]))
+        if k_max:
+            top = logprobs.topk(k_max, dim=-1)
+            parts += [top.indices, top.values]
+    # float64 holds token ids exactly and float32 log-probabilities exactly.
+    host = torch.cat([p.reshape(-1).to(torch.float64) for p in parts]).tolist()
+    return _results(host, batch, k_max or 0)
+
+
+def _results(host: list[float], batch: SamplingBatch, k_max: int) -> list[SampleResult]:
+    """Unpacks `sample`'s transfer: draws (N), accepted (R), then with log-probabilities the
+    emitted tokens' (N), and the top-k_max ids and values (N x k_max each)."""
+    n, rows = batch.row_starts[-1], batch.num_rows
+    draws, accepted = host[:n], host[n : n + rows]
+    chosen = host[n + rows : 2 * n + rows]
+    top_ids = host[2 * n + rows : (2 + k_max) * n + rows]
+    top_vals = host[(2 + k_max) * n + rows :]
+    results = []
+    for row, want in enumerate(batch.logprobs):
+        positions = range(batch.row_starts[row], batch.row_starts[row] + int(accepted[row]) + 1)
+        tokens = tuple(int(draws[i]) for i in positions)
+        lps = None
+        if want is not None:
+            lps = []
+            for i, token in zip(positions, tokens, strict=True):
+                lp = {token: chosen[i]}
+                top = slice(i * k_max, i * k_max + want)
+                lp.update(zip(map(int, top_ids[top]), top_vals[top], strict=True))
+                lps.append(lp)
+        results.append(SampleResult(tokens, None if lps is None else tuple(lps)))
+    return results
+
+
+def filter_ref(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The oracle of `filter_logits` for one row: (V,) logits -> temperature-scaled logits with
+    top-k / top-p cut to -inf (params not greedy)."""
     logits = logits / params.temperature
     if params.top_k != -1 and params.top_k < logits.numel():
         kth = logits.topk(params.top_k).values[-1]
@@ -32,64 +231,8 @@ def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_logits, order = logits.sort(descending=True)
         probs = sorted_logits.softmax(-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
+        # Keep the smallest prefix whose mass reaches top_p, and the first token always.
         drop = probs.cumsum(-1) - probs >= params.top_p
+        drop[0] = False
         logits = logits.scatter(0, order[drop], -torch.inf)
     return logits
-
-
-def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> list[SampleResult]:
-    """logits (S, V) in the compute dtype; one SamplingParams and generator (or None) per row.
-
-    Reported log-probabilities are those of the model's distribution, before temperature and
-    truncation.
-    """
-    logprobs = torch.log_softmax(logits, dim=-1)
-    tokens = logits.argmax(-1)
-    for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        if p.greedy:
-            continue
-        probs = _filter(logits[row], p).softmax(-1)
-        tokens[row] = torch.multinomial(probs, 1, generator=gen)[0]
-    k_max = max((p.logprobs or 0) for p in params)
-    top = logprobs.topk(k_max, dim=-1) if k_max else None
-    tokens_host = tokens.tolist()
-    chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
-    top_ids = top.indices.tolist() if top is not None else None
-    top_vals = top.values.tolist() if top is not None else None
-    results = []
-    for row, p in enumerate(params):
-        lp = None
-        if p.logprobs is not None:
-            lp = {tokens_host[row]: chosen[row]}
-            if top_ids is not None and top_vals is not None:
-                lp.update(zip(top_ids[row][: p.logprobs], top_vals[row][: p.logprobs], strict=True))
-        results.append(SampleResult((tokens_host[row],), None if lp is None else (lp,)))
-    return results
-
-
-def sample_verify(logits: torch.Tensor, drafts: tuple[int, ...], params: SamplingParams,
-                  generator: torch.Generator | None, argmax: list[int] | None = None) -> SampleResult:
-    """One verify row: logits (1 + k, V) for the positions after the last known token and after
-    each draft. Greedy: the drafts that match the argmax, then the argmax at the first mismatch.
-    Otherwise lossless rejection sampling against the filtered target distribution (the drafts
-    are deterministic, so their distribution is one-hot). ``argmax``: the rows' argmaxes, when the
-    caller has them on the host already (greedy only)."""
-    if params.greedy:
-        tokens = greedy_accept(logits, drafts) if argmax is None else accept_argmax(argmax, drafts)
-    else:
-        probs = torch.stack([_filter(row, params).softmax(-1) for row in logits])
-        tokens = rejection_accept(probs, drafts, None, generator)
-    lps = None
-    if params.logprobs is not None:
-        logprobs = torch.log_softmax(logits[: len(tokens)], dim=-1)
-        lps = []
-        for i, token in enumerate(tokens):
-            lp = {token: logprobs[i, token].item()}
-            if params.logprobs:
-                top = logprobs[i].topk(params.logprobs)
-                lp.update(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-            lps.append(lp)
-    return SampleResult(tuple(tokens), None if lps is None else tuple(lps))

@@ -1,4 +1,9 @@
-"""Verification of draft tokens against the target model: greedy matching and lossless rejection sampling."""
+"""Verification of draft tokens against the target model: greedy matching and lossless rejection sampling.
+
+`accept_drafts` verifies a whole step's rows at once on the device (the engine's path); the per-row
+functions after it are its references, and `rejection_accept` also covers drafts that come with a
+proposal distribution.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,33 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
+
+def accept_drafts(draws: Tensor, drafts: Tensor, grid_index: Tensor, num_rows: int, width: int) -> Tensor:
+    """Batched verification of deterministic drafts against tokens drawn from the target.
+
+    A deterministic draft's proposal is one-hot, and rejection sampling against a one-hot proposal
+    is: draw t ~ p_i (the filtered target after the prefix drafts[:i]); accept d_i iff t == d_i; at
+    the first rejection emit t. It accepts with probability p_i(d_i), as rejection sampling does,
+    and a rejected t is distributed as p_i with d_i's mass removed, renormalised: the residual
+    max(p_i - onehot(d_i), 0). After k accepted drafts the draw at position k is the bonus token.
+    With t = argmax p_i it is greedy prefix matching. Either way a row emits its draws at positions
+    0..accepted, the accepted ones being equal to the drafts.
+
+    Args:
+        draws: (N,) int64, one token drawn from the target at every position, rows flattened in
+            order (a row of k drafts has k + 1 positions).
+        drafts: (N,) int64, the draft each position verifies; -1 (never drawn) at a row's last position.
+        grid_index: (N,) int64, row * width + j at position j of a row.
+        num_rows: R.
+        width: at least the positions of the longest row.
+
+    Returns:
+        accepted: (R,) int64, the number of leading drafts of each row equal to their draws.
+    """
+    match = torch.zeros(num_rows * width, dtype=torch.int64, device=draws.device)
+    match.index_copy_(0, grid_index, (draws == drafts).long())
+    return match.view(num_rows, width).cumprod(dim=1).sum(dim=1)
 
 
 def greedy_accept(target_logits: Tensor, drafts: Sequence[int]) -> list[int]:

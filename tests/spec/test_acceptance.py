@@ -7,7 +7,15 @@ import math
 import pytest
 import torch
 
-from replayserve.spec.acceptance import _rejection_accept_batch, accept_argmax, greedy_accept, rejection_accept
+from replayserve.engine.request import SamplingParams
+from replayserve.engine.sampler import SamplingBatch, filter_ref, sample, sample_tokens
+from replayserve.spec.acceptance import (
+    _rejection_accept_batch,
+    accept_argmax,
+    accept_drafts,
+    greedy_accept,
+    rejection_accept,
+)
 
 # Chi-square critical value for df = 5 (V = 6) at alpha = 0.001: 20.515 (standard chi-square table).
 CHI2_CRIT_DF5_ALPHA_001 = 20.515
@@ -211,3 +219,85 @@ def test_rejection_rejects_bad_shapes_and_tokens() -> None:
         rejection_accept(P, [1, 6], None)
     with pytest.raises(ValueError, match="target_probs"):
         rejection_accept(P[0], [], None)
+
+
+# ---------------------------------------------------------------------------------------------- batched
+
+
+def _grid(lengths: list[int]) -> tuple[torch.Tensor, int]:
+    width = max(lengths)
+    return torch.tensor([r * width + j for r, n in enumerate(lengths) for j in range(n)]), width
+
+
+def test_accept_drafts_counts_leading_matches_per_row() -> None:
+    # Rows: 2 drafts (both match), 3 drafts (second mismatches), plain, 1 draft (mismatch).
+    draws = torch.tensor([3, 1, 9, 5, 6, 5, 0, 4, 2, 8])
+    drafts = torch.tensor([3, 1, -1, 5, 7, 5, -1, -1, 4, -1])
+    grid, width = _grid([3, 4, 1, 2])
+    assert accept_drafts(draws, drafts, grid, 4, width).tolist() == [2, 1, 0, 0]
+
+
+def test_batched_greedy_verify_equals_the_per_row_reference() -> None:
+    gen = torch.Generator().manual_seed(5)
+    ks = [int(k) for k in torch.randint(0, 5, (64,), generator=gen)]
+    logits = torch.randn(sum(k + 1 for k in ks), 6, generator=gen, dtype=torch.float64)
+    best = logits.argmax(-1)
+    drafts, start = [], 0
+    for k in ks:  # drafts that mostly follow the argmax, so long prefixes get accepted
+        row = best[start : start + k].clone()
+        row[torch.rand(k, generator=gen) < 0.25] = torch.randint(0, 6, (1,), generator=gen)
+        drafts.append(tuple(row.tolist()))
+        start += k + 1
+    results = sample(logits, [SamplingParams(temperature=0.0)] * len(ks), [None] * len(ks), drafts)
+    start = 0
+    for k, d, r in zip(ks, drafts, results, strict=True):
+        assert list(r.tokens) == greedy_accept(logits[start : start + k + 1], d)
+        start += k + 1
+    assert max(len(r.tokens) for r in results) == 5
+
+
+def test_batched_rejection_is_lossless_with_deterministic_drafts() -> None:
+    """The engine's verify path (`sample_tokens`) on N rows of fixed drafts (2, 4) against P: the
+    tokens it emits at each position follow P, the drafts are accepted at the target's rate, and
+    a 2% shift of one token's mass would be detected."""
+    torch.manual_seed(11)
+    logits = P.log().repeat(N, 1)
+    params = [SamplingParams(temperature=1.0)] * N
+    generators = [torch.Generator().manual_seed(i) if i % 5 == 0 else None for i in range(N)]
+    batch = SamplingBatch.build(params, generators, [(2, 4)] * N, 6, torch.float64, logits.device)
+    draws, accepted = sample_tokens(logits, batch)
+    token = draws.view(N, 3).gather(1, accepted[:, None])[:, 0]
+    drafts = torch.tensor([2, 4]).expand(N, 2)
+    _, first = _emitted(drafts, accepted, token, 0)
+    _, second = _emitted(drafts, accepted, token, 1)
+    _, bonus = _emitted(drafts, accepted, token, 2)
+    assert _chi2(first, P[0]) < CHI2_CRIT_DF5_ALPHA_001
+    assert _chi2(second, P[1]) < CHI2_CRIT_DF5_ALPHA_001
+    assert _chi2(bonus, P[2]) < CHI2_CRIT_DF5_ALPHA_001
+    assert _chi2(first, _shift(P[0], 1, 0)) > CHI2_CRIT_DF5_ALPHA_001
+    assert _chi2(second, _shift(P[1], 3, 2)) > CHI2_CRIT_DF5_ALPHA_001
+    # Acceptance at the target's own probability, as in the per-row reference.
+    rate0 = float((accepted >= 1).double().mean())
+    assert abs(rate0 - float(P[0, 2])) < 5 * math.sqrt(float(P[0, 2] * (1 - P[0, 2])) / N)
+    given = accepted >= 1
+    rate1 = float((accepted[given] >= 2).double().mean())
+    assert abs(rate1 - float(P[1, 4])) < 5 * math.sqrt(float(P[1, 4] * (1 - P[1, 4])) / int(given.sum()))
+
+
+def test_batched_rejection_is_lossless_against_the_filtered_target() -> None:
+    # top-k = 4 and temperature 0.8: the first emitted token follows the filtered distribution,
+    # drafting a token the filter removed (5) is never accepted.
+    torch.manual_seed(12)
+    p = SamplingParams(temperature=0.8, top_k=4)
+    target = filter_ref(P[0].log(), p).softmax(-1)
+    for draft in (0, 5):
+        logits = P[:2].log().repeat(N, 1)
+        batch = SamplingBatch.build([p] * N, [None] * N, [(draft,)] * N, 6, torch.float64, logits.device)
+        draws, accepted = sample_tokens(logits, batch)
+        first = torch.where(accepted == 1, draft, draws.view(N, 2)[:, 0])
+        keep = target > 0
+        counts = torch.bincount(first, minlength=6).double()
+        assert counts[~keep].sum() == 0
+        stat = float(((counts[keep] - N * target[keep]) ** 2 / (N * target[keep])).sum())
+        assert stat < 16.266  # df = 3 at alpha = 0.001
+        assert abs(float(accepted.double().mean()) - float(target[draft])) < 5 * math.sqrt(0.25 / N)
