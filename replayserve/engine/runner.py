@@ -13,6 +13,7 @@ from replayserve.engine.cuda_graph import DecodeGraphs
 from replayserve.engine.request import SamplingParams
 from replayserve.engine.sampler import SampleResult, sample
 from replayserve.engine.scheduler import StepPlan
+from replayserve.engine.transfer import to_device
 from replayserve.layers.mamba2 import Mamba2Mixer
 from replayserve.layers.mlp import MoE
 from replayserve.models.nemotron_h import NemotronHForCausalLM
@@ -197,12 +198,8 @@ class Runner:
 
     def _ids(self, values: tuple[int, ...] | list[int] | list[list[int]],
              dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        """A host list on the device. From pinned memory the copy is asynchronous; from pageable
-        memory CUDA would first wait for the whole stream."""
-        host = torch.tensor(values, dtype=dtype)
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+        """A host list on the device, without stalling the stream."""
+        return to_device(torch.tensor(values, dtype=dtype), self.device)
 
     def _publish_decode_boundaries(self, plan: StepPlan, kept: list[int]) -> None:
         """Canonical states of decode rows that reached a block boundary, into their boundary slots

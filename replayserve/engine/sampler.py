@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from replayserve.engine.request import SamplingParams
+from replayserve.engine.transfer import to_device
 from replayserve.spec.acceptance import accept_drafts
 
 
@@ -100,8 +101,8 @@ class SamplingBatch:
             if gen is not None and not p.greedy:
                 seeded.append((starts[-1], starts[-1] + n, gen))
             starts.append(starts[-1] + n)
-        floats = torch.tensor([temperature, top_p], dtype=dtype, device=device)
-        ints = torch.tensor([top_k, draft_ids, grid], dtype=torch.int64, device=device)
+        floats = to_device(torch.tensor([temperature, top_p], dtype=dtype), device)
+        ints = to_device(torch.tensor([top_k, draft_ids, grid], dtype=torch.int64), device)
         return cls(
             temperature=floats[0], top_p=floats[1], top_k=ints[0], drafts=ints[1], grid_index=ints[2],
             row_starts=tuple(starts), width=width, seeded=tuple(seeded),
