@@ -61,7 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--size", choices=sorted(SIZES), default="small")
     p.add_argument("--batch", type=int, nargs="+", help="decode batch sizes (default 1 16 64 256; CPU 1 16)")
-    p.add_argument("--backends", nargs="+", choices=["baseline", "replay"], default=["baseline", "replay"])
+    p.add_argument("--backends", nargs="+", choices=["baseline", "replay", "baseline-eager", "replay-eager"],
+                   default=["baseline", "replay"],
+                   help="SSM backends; '-eager' runs decode without CUDA graphs (compare in one run)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=16, help="decode steps per timed window")
     p.add_argument("--warmup", type=int, default=4, help="decode steps before timing")
@@ -127,7 +129,8 @@ def engine_config(model: NemotronHForCausalLM, args: argparse.Namespace, backend
     leaves prefill room beside `seqs` decoding rows."""
     return EngineConfig(model=model.config, dtype=args.dtype, device=args.device, max_num_seqs=seqs,
                         max_num_batched_tokens=max(args.budget, 2 * seqs), max_model_len=max_len,
-                        block_size=args.block_size, ssm_backend=backend, replay_window=args.window)
+                        block_size=args.block_size, ssm_backend=backend.removesuffix("-eager"),
+                        replay_window=args.window, enforce_eager=backend.endswith("-eager"))
 
 
 def resident_bytes(model: NemotronHForCausalLM, config: EngineConfig) -> int:
@@ -234,7 +237,7 @@ def decode_row(model: NemotronHForCausalLM, args: argparse.Namespace, backend: s
         if device.type == "cuda":  # the weights alone, unless an engine leaks
             row["allocated_gb_after"] = torch.cuda.memory_allocated(device) / GiB
     wall = statistics.median(walls)
-    ops = decode_ops(model, backend, args.window, cached)
+    ops = decode_ops(model, backend.removesuffix("-eager"), args.window, cached)
     floor = floors(ops, rates)
     row.update({"tok_s": batch * args.steps / wall, "step_ms": 1e3 * wall / args.steps, "walls_s": walls,
                 "mean_context": statistics.mean(cached) + 1, "gb_per_step": sum(op.bytes for op in ops) / 1e9,
