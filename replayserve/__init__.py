@@ -1,6 +1,13 @@
 """replayserve: a serving engine for hybrid Mamba2/attention language models."""
 
-from replayserve.engine.request import SamplingParams
-from replayserve.llm import LLM, RequestOutput
+from importlib.metadata import PackageNotFoundError, version
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+from replayserve.engine.request import SamplingParams
+from replayserve.llm import LLM, CompletionOutput, RequestOutput
+
+try:
+    __version__ = version("replayserve")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0.0.0+unknown"
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from tqdm import tqdm
 
 from replayserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 from replayserve.engine.engine import Engine
-from replayserve.engine.request import Request, SamplingParams
+from replayserve.engine.request import MAX_SEED, Request, SamplingParams
 from replayserve.models.loader import load_model
 from replayserve.tokenizer import Tokenizer
 
@@ -26,12 +27,51 @@ _TORCH_DTYPES = {
 
 
 @dataclass(frozen=True)
-class RequestOutput:
-    prompt_token_ids: list[int]
+class CompletionOutput:
+    """One completion of a prompt, as vLLM shapes it.
+
+    logprobs: per generated token, {token id: log-probability} of the sampled token and the
+    top `SamplingParams.logprobs` ones; None when not asked. cumulative_logprob: the sum of the
+    sampled tokens' log-probabilities when logprobs were asked, else None. finish_reason:
+    "stop", "length" or "abort"; stop_reason: the stop token id or stop string that matched
+    (None for EOS, length and abort).
+    """
+
+    index: int
     text: str
     token_ids: list[int]
+    cumulative_logprob: float | None
     logprobs: list[dict[int, float]] | None
-    finish_reason: str
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A prompt and its `n` completions, as vLLM shapes it. `text`, `token_ids`, `logprobs` and
+    `finish_reason` are the first completion's, for callers that ask for one."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def logprobs(self) -> list[dict[int, float]] | None:
+        return self.outputs[0].logprobs
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
 
 
 class LLM:
@@ -116,43 +156,56 @@ class LLM:
         group: attention and mamba), steps, generated tokens, preemptions."""
         return self.engine.get_metrics()
 
+    def get_tokenizer(self) -> Tokenizer | None:
+        """The model directory's tokenizer (None when it has no tokenizer.json)."""
+        return self.tokenizer
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
-        """One output per prompt, in order. Every prompt is validated before any is admitted.
-        Requests share cached prefixes only with requests of the same ``cache_salt``."""
+        """One output per prompt, in order, each with `n` completions. Every prompt is validated
+        before any is admitted. Requests share cached prefixes only with requests of the same
+        ``cache_salt``."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
-        params = params or SamplingParams()
+        params = sampling_params or SamplingParams()
         all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(all_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(all_params)} SamplingParams")
         ids = [self._prompt_ids(p) for p in prompts]
         for prompt_ids, p in zip(ids, all_params, strict=True):
             self.engine.validate(prompt_ids, p)
-        requests: list[Request] = []
+        requests: list[list[Request]] = []
         try:
             for prompt_ids, p in zip(ids, all_params, strict=True):
-                requests.append(self.engine.add_request(prompt_ids, p, cache_salt))
-            with tqdm(total=len(requests), disable=not use_tqdm or len(requests) < 2, desc="requests") as bar:
+                requests.append([])
+                for i in range(p.n):  # completion i of a seeded request samples from seed + i
+                    seed = None if p.seed is None else (p.seed + i) % (MAX_SEED + 1)
+                    child = p if i == 0 else dataclasses.replace(p, seed=seed)
+                    requests[-1].append(self.engine.add_request(prompt_ids, child, cache_salt))
+            total = sum(len(r) for r in requests)
+            with tqdm(total=total, disable=not use_tqdm or total < 2, desc="requests") as bar:
                 while self.engine.has_unfinished():
                     bar.update(len(self.engine.step()))
         finally:
-            for request in requests:  # an interrupted call must not keep blocks or slots
+            for request in (r for group in requests for r in group):  # an interrupted call keeps no block or slot
                 self.engine.abort(request)
-        return [_output(r) for r in requests]
+        return [_output(prompt, group) for prompt, group in zip(prompts, requests, strict=True)]
 
 
-def _output(r: Request) -> RequestOutput:
-    assert r.finish_reason is not None
-    return RequestOutput(
-        prompt_token_ids=r.prompt_token_ids,
-        text=r.text,
-        token_ids=list(r.output_token_ids),
-        logprobs=list(r.output_logprobs) if r.params.logprobs is not None else None,
-        finish_reason=r.finish_reason,
-    )
+def _output(prompt: Prompt, group: list[Request]) -> RequestOutput:
+    completions = []
+    for index, r in enumerate(group):
+        assert r.finish_reason is not None
+        logprobs = list(r.output_logprobs) if r.params.logprobs is not None else None
+        cumulative = None if logprobs is None else sum(lp[t] for lp, t in zip(logprobs, r.output_token_ids,
+                                                                                strict=True))
+        completions.append(CompletionOutput(index, r.text, list(r.output_token_ids), cumulative, logprobs,
+                                            r.finish_reason, r.stop_reason))
+    first = group[0]
+    return RequestOutput(first.request_id, prompt if isinstance(prompt, str) else None, first.prompt_token_ids,
+                         completions, finished=True)

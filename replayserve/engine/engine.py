@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -19,6 +20,15 @@ from replayserve.spec.metrics import SpecMetrics
 from replayserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+class Stop(NamedTuple):
+    """Why a request ends: "stop" or "length"; its text cut before a stop string (else None
+    until the final text is decoded); the stop token id or string that matched (else None)."""
+
+    reason: str
+    text: str | None
+    cause: int | str | None
 
 
 class Engine:
@@ -111,16 +121,16 @@ class Engine:
         try:
             results = self.runner.execute(plan, [r.params for r in sampling], generators)
             outcomes = [self._outcome(r, res) for r, res in zip(sampling, results, strict=True)]
-            for request, (tokens, logprobs, _, _) in zip(sampling, outcomes, strict=True):
+            for request, (tokens, logprobs, _) in zip(sampling, outcomes, strict=True):
                 request.output_token_ids.extend(tokens)
                 request.output_logprobs.extend(logprobs)
                 self.num_generated_tokens += len(tokens)
             emitted = {r.request_id: len(o[0]) for r, o in zip(sampling, outcomes, strict=True)}
             self.scheduler.update(plan, emitted)
-            stopped = [(r, reason, text) for r, (_, _, reason, text) in zip(sampling, outcomes, strict=True)
-                       if reason is not None]
-            for request, reason, text in stopped:
-                self._finish(request, reason, text)
+            stopped = [(r, stop) for r, (_, _, stop) in zip(sampling, outcomes, strict=True) if stop is not None]
+            for request, stop in stopped:
+                request.stop_reason = stop.cause
+                self._finish(request, stop.reason, stop.text)
         except BaseException:
             for request, (n_tokens, n_logprobs) in zip(sampling, lengths, strict=True):
                 if request.status is not Status.FINISHED:  # a request that finished here is complete
@@ -136,38 +146,41 @@ class Engine:
             m = self.cache.metrics
             logger.debug("step %d: %d seqs, %d tokens; prefix cache %d/%d tokens hit", self.num_steps,
                          len(plan.seqs), plan.num_tokens, m.hits, m.queries)
-        return [request for request, _, _ in stopped]
+        return [request for request, _ in stopped]
 
-    def _outcome(self, request: Request, result: SampleResult) -> tuple[list[int], list, str | None, str | None]:
+    def _outcome(self, request: Request, result: SampleResult) -> tuple[list[int], list, Stop | None]:
         """What a sampled result adds to a request, without changing it: the tokens it keeps (a
-        verify's are cut after the first one that stops it), their logprobs, the stop reason
-        (None: it goes on) and, when it stops, its final text."""
+        verify's are cut after the first one that stops it), their logprobs, and why it stops
+        (None: it goes on), with its final text."""
         for i in range(len(result.tokens)):
             new = list(result.tokens[: i + 1])
-            reason, text = self._stop_reason(request, new)
-            if reason is not None or i == len(result.tokens) - 1:
+            stop = self._stop(request, new)
+            if stop is not None or i == len(result.tokens) - 1:
                 logprobs = [] if result.logprobs is None else list(result.logprobs[: i + 1])
-                if reason is not None and text is None and self.tokenizer is not None:
-                    text = self.tokenizer.decode(request.output_token_ids + new)
-                return new, logprobs, reason, text
+                if stop is not None and stop.text is None and self.tokenizer is not None:
+                    stop = stop._replace(text=self.tokenizer.decode(request.output_token_ids + new))
+                return new, logprobs, stop
         raise AssertionError("a sample result has at least one token")
 
-    def _stop_reason(self, request: Request, new: list[int]) -> tuple[str | None, str | None]:
-        """Why a request stops once ``new`` tokens follow its output, and the text cut before a
-        stop string; (None, None) while it goes on."""
+    def _stop(self, request: Request, new: list[int]) -> Stop | None:
+        """Why a request stops once ``new`` tokens follow its output (None: it goes on); a stop
+        string's text is cut before it."""
         p, token = request.params, new[-1]
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.config.model.eos_token_ids):
-            return "stop", None
+        if token in p.stop_token_ids:
+            return Stop("stop", None, token)
+        if not p.ignore_eos and token in self.config.model.eos_token_ids:
+            return Stop("stop", None, None)
         if p.stop and self.tokenizer is not None:
             text = self.tokenizer.decode(request.output_token_ids + new)
-            hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
+            hits = [(i, s) for s in p.stop if (i := text.find(s)) >= 0]
             if hits:
-                return "stop", text[: min(hits)]
+                at, first = min(hits, key=lambda hit: hit[0])
+                return Stop("stop", text[:at], first)
         num_output = len(request.output_token_ids) + len(new)
         limit = self.config.resolved_max_model_len
         if num_output >= p.max_tokens or len(request.prompt_token_ids) + num_output >= limit:
-            return "length", None
-        return None, None
+            return Stop("length", None, None)
+        return None
 
     def _finish(self, request: Request, reason: str, text: str | None = None) -> None:
         """``text``: the output cut before a stop string; else the whole output is decoded."""

@@ -27,6 +27,7 @@ class SamplingParams:
     step fail is refused before it is queued. `temperature == 0` is greedy.
 
     stop: a string or a list of strings; the output ends before the first one found.
+    n: completions per prompt. With a seed, completion i samples from seed + i, so they differ.
     top_k: -1 or 0 (off) or >= 1. seed: an int in [0, 2**64) or None.
     logprobs: return the top-`logprobs` log-probabilities of each generated token (plus the
     sampled token's own); None returns none. The engine also checks it against the vocabulary.
@@ -41,6 +42,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # one stop string, as in vLLM and the OpenAI API
@@ -66,6 +68,7 @@ class SamplingParams:
             (all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "must be non-negative ints"),
             (isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool"),
+            (_is_int(self.n) and self.n >= 1, "n", "must be an int >= 1"),
         ]
         for ok, option, why in checks:
             if not ok:
@@ -99,6 +102,8 @@ class Request:
     decoding: bool = False
     state_slot: int | None = None
     finish_reason: str | None = None
+    # What stopped it: the stop token id or stop string; None for EOS, length and abort.
+    stop_reason: int | str | None = None
     text: str = ""
     # Prefix-cache keys besides the tokens (e.g. a cache salt): requests share blocks only when equal.
     extra_keys: tuple = ()
