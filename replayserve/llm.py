@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from replayserve.chat import ChatTemplate, Message
 from replayserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 from replayserve.engine.engine import Engine
 from replayserve.engine.request import MAX_SEED, Request, SamplingParams
@@ -135,6 +136,7 @@ class LLM:
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("engine option device: 'cuda' was asked for but torch sees no CUDA device")
         self.tokenizer = Tokenizer.from_dir(model)
+        self.chat_template = ChatTemplate.from_dir(model)
         net = load_model(model, _TORCH_DTYPES[dtype], torch.device(device))
         self.engine = Engine(self.config, net, self.tokenizer)
 
@@ -155,6 +157,27 @@ class LLM:
         """Engine counters since start: prefix-cache queries and hits in tokens (overall, and per
         group: attention and mamba), steps, generated tokens, preemptions."""
         return self.engine.get_metrics()
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Replies to one conversation (a list of {"role", "content"} dicts) or to a list of them.
+        Each is rendered with `chat_template`, else the model directory's (tokenizer_config.json),
+        else `replayserve.chat.DEFAULT_CHAT_TEMPLATE`, then generated like a prompt."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; the model directory has no tokenizer.json")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        template = self.chat_template if chat_template is None else ChatTemplate(chat_template,
+                                                                                 self.chat_template.special_tokens)
+        prompts = [{"prompt_token_ids": self.tokenizer.encode(template.render(c, add_generation_prompt),
+                                                              add_special_tokens=False)}
+                   for c in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def get_tokenizer(self) -> Tokenizer | None:
         """The model directory's tokenizer (None when it has no tokenizer.json)."""

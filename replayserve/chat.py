@@ -1,0 +1,85 @@
+"""Chat prompts: the model directory's chat template (`tokenizer_config.json`), rendered with
+jinja2 the way Hugging Face renders it, or a documented default."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# Used when the model directory has no chat template: each message as a role line and its
+# content, then the assistant's role line when a reply is to be generated.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+ROLES = ("system", "user", "assistant", "tool")
+
+Message = dict[str, Any]
+
+
+class ChatTemplate:
+    """A compiled chat template and the special tokens it may name (bos_token, eos_token)."""
+
+    def __init__(self, source: str, special_tokens: dict[str, str] | None = None) -> None:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        try:
+            self._template = env.from_string(source)
+        except TemplateError as e:
+            raise ValueError(f"the chat template does not compile: {e}") from e
+        self.source = source
+        self.special_tokens = special_tokens or {}
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ChatTemplate:
+        """The template of `tokenizer_config.json` (a string, or a list of named templates, where
+        the one named "default" is taken), else `DEFAULT_CHAT_TEMPLATE`."""
+        path = Path(model_dir) / "tokenizer_config.json"
+        raw: dict[str, Any] = {}
+        if path.is_file():
+            try:
+                raw = json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} is not valid JSON: {e}") from e
+        source = raw.get("chat_template")
+        if isinstance(source, list):
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            source = named.get("default")
+        if source is not None and not isinstance(source, str):
+            raise ValueError(f"{path}: chat_template must be a string or a list of named templates")
+        specials = {k: _token_text(raw[k]) for k in ("bos_token", "eos_token") if raw.get(k) is not None}
+        return cls(source or DEFAULT_CHAT_TEMPLATE, specials)
+
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+        """The prompt text of one conversation: a list of {"role": ..., "content": str}."""
+        check_messages(messages)
+        try:
+            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                         **self.special_tokens)
+        except TemplateError as e:
+            raise ValueError(f"the chat template failed on these messages: {e}") from e
+
+
+def check_messages(messages: Sequence[Message]) -> None:
+    """Raises ValueError naming what is wrong with a conversation."""
+    if isinstance(messages, str | dict) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}] must be a dict with a string 'role' and a string 'content', got {m!r:.80}")
+        if m["role"] not in ROLES:
+            raise ValueError(f"messages[{i}]: role {m['role']!r} is not one of {ROLES}")
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _token_text(token: Any) -> str:
+    """tokenizer_config.json writes a special token as a string or as {"content": ...}."""
+    return token["content"] if isinstance(token, dict) else str(token)
