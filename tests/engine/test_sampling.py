@@ -10,6 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from replayserve import LLM, SamplingParams
+from replayserve.engine.request import MIN_TEMPERATURE, MIN_TOP_P
 from replayserve.engine.sampler import (
     SampleResult,
     SamplingBatch,
@@ -230,13 +231,23 @@ def test_seeded_rows_give_the_same_tokens_alone_and_in_a_mixed_batch() -> None:
             assert mixed[row].tokens == alone.tokens, (step, row)
 
 
+def _forced(**fields: float) -> SamplingParams:
+    """SamplingParams holding values its checks refuse (the sampler's own robustness)."""
+    params = SamplingParams()
+    for name, value in fields.items():
+        object.__setattr__(params, name, value)
+    return params
+
+
 def test_tiny_top_p_top_k_one_and_tiny_temperature_keep_the_argmax() -> None:
     gen = torch.Generator().manual_seed(2)
     for dtype in (torch.float32, torch.float64):
         logits = torch.randn(16, 1000, generator=gen).to(dtype)
-        for p in (SamplingParams(top_p=1e-300), SamplingParams(temperature=2.0, top_k=1),
-                  SamplingParams(temperature=1e-300), SamplingParams(temperature=1e-45, top_p=1e-300),
-                  SamplingParams(temperature=1e-30, top_k=3, top_p=0.5)):
+        # SamplingParams refuses these extremes; the sampler must still survive any that slip past.
+        for p in (_forced(top_p=1e-300), SamplingParams(temperature=2.0, top_k=1),
+                  _forced(temperature=1e-300), _forced(temperature=1e-45, top_p=1e-300),
+                  _forced(temperature=1e-30, top_k=3, top_p=0.5),
+                  SamplingParams(temperature=MIN_TEMPERATURE, top_p=MIN_TOP_P)):
             params = [p] * 16
             probs = filter_logits(logits, _batch(logits, params)).softmax(-1)
             assert torch.isfinite(probs).all(), (dtype, p)
