@@ -10,6 +10,7 @@ import torch
 
 from replayserve.cache.manager import CacheManager
 from replayserve.config import EngineConfig
+from replayserve.engine.penalties import uses_history
 from replayserve.engine.request import Request, SamplingParams, Status
 from replayserve.engine.runner import Runner
 from replayserve.engine.sampler import SampleResult
@@ -119,7 +120,9 @@ class Engine:
         lengths = [(len(r.output_token_ids), len(r.output_logprobs)) for r in sampling]
         num_generated = self.num_generated_tokens
         try:
-            results = self.runner.execute(plan, [r.params for r in sampling], generators)
+            histories = ([(r.prompt_token_ids, r.output_token_ids) for r in sampling]
+                         if any(uses_history(r.params) for r in sampling) else None)
+            results = self.runner.execute(plan, [r.params for r in sampling], generators, histories)
             outcomes = [self._outcome(r, res) for r, res in zip(sampling, results, strict=True)]
             for request, (tokens, logprobs, _) in zip(sampling, outcomes, strict=True):
                 request.output_token_ids.extend(tokens)
@@ -170,13 +173,13 @@ class Engine:
             return Stop("stop", None, token)
         if not p.ignore_eos and token in self.config.model.eos_token_ids:
             return Stop("stop", None, None)
-        if p.stop and self.tokenizer is not None:
+        num_output = len(request.output_token_ids) + len(new)
+        if p.stop and self.tokenizer is not None and num_output >= p.min_tokens:
             text = self.tokenizer.decode(request.output_token_ids + new)
             hits = [(i, s) for s in p.stop if (i := text.find(s)) >= 0]
             if hits:
                 at, first = min(hits, key=lambda hit: hit[0])
-                return Stop("stop", text[:at], first)
-        num_output = len(request.output_token_ids) + len(new)
+                return Stop("stop", text[: at + len(first) if p.include_stop_str_in_output else at], first)
         limit = self.config.resolved_max_model_len
         if num_output >= p.max_tokens or len(request.prompt_token_ids) + num_output >= limit:
             return Stop("length", None, None)

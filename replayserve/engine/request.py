@@ -28,6 +28,11 @@ class SamplingParams:
 
     stop: a string or a list of strings; the output ends before the first one found.
     n: completions per prompt. With a seed, completion i samples from seed + i, so they differ.
+    min_tokens: before that many tokens, EOS (unless ignored) and stop_token_ids cannot be
+    sampled and stop strings are not looked for. presence_penalty / frequency_penalty /
+    repetition_penalty / min_p: as in vLLM (`engine/penalties.py` defines them); a request that
+    uses penalties or min_tokens takes no speculative drafts. include_stop_str_in_output: the text
+    keeps the stop string that ended it.
     top_k: -1 or 0 (off) or >= 1. seed: an int in [0, 2**64) or None.
     logprobs: return the top-`logprobs` log-probabilities of each generated token (plus the
     sampled token's own); None returns none. The engine also checks it against the vocabulary.
@@ -43,6 +48,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     n: int = 1
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # one stop string, as in vLLM and the OpenAI API
@@ -69,6 +80,16 @@ class SamplingParams:
              "must be non-negative ints"),
             (isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool"),
             (_is_int(self.n) and self.n >= 1, "n", "must be an int >= 1"),
+            (_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+             f"must be an int in [0, max_tokens={self.max_tokens}]"),
+            (_is_real(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
+             "must be a number in [-2, 2]"),
+            (_is_real(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
+             "must be a number in [-2, 2]"),
+            (_is_real(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
+             and self.repetition_penalty > 0, "repetition_penalty", "must be a finite number > 0 (1 is off)"),
+            (_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be a number in [0, 1]"),
+            (isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output", "must be a bool"),
         ]
         for ok, option, why in checks:
             if not ok:

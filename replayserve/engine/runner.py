@@ -115,11 +115,13 @@ class Runner:
 
     @torch.inference_mode()
     def execute(
-        self, plan: StepPlan, params: list[SamplingParams], generators: list[torch.Generator | None]
+        self, plan: StepPlan, params: list[SamplingParams], generators: list[torch.Generator | None],
+        histories: list[tuple[list[int], list[int]]] | None = None,
     ) -> list[SampleResult]:
         """Runs the step; returns one result per sampling sequence (in plan order).
 
-        params and generators are given for the sequences with `sample` set, in plan order.
+        params, generators and (when some row uses penalties or min_tokens) histories, the
+        (prompt, output) tokens so far, are given for the sequences with `sample` set, in plan order.
         """
         if plan.reset_slots:
             self.ssm.reset_slots(self._ids(plan.reset_slots))
@@ -150,7 +152,7 @@ class Runner:
                 logits = self.model.compute_logits(hidden[self._ids(rows)])
             else:  # graphed logits cover every token
                 logits = logits[: len(rows)] if rows == list(range(len(rows))) else logits[self._ids(rows)]
-            results = self._sample(plan, picks, logits, params, generators)
+            results = self._sample(plan, picks, logits, params, generators, histories)
         if self.hidden_store is not None:
             self._record_hidden(plan, hidden, results)
         if decode_slots.numel():
@@ -176,12 +178,13 @@ class Runner:
         return hidden[real], logits[real], slots
 
     def _sample(self, plan: StepPlan, picks: list[range], logits: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None]) -> list[SampleResult]:
+                generators: list[torch.Generator | None],
+                histories: list[tuple[list[int], list[int]]] | None) -> list[SampleResult]:
         """All sampling rows as one batch on the device, one transfer to the host. A row's logits are
         at its last len(pick) tokens; the ones after the first are its drafts (a verify row)."""
         sampling = [s for s in plan.seqs if s.sample]
         drafts = [s.token_ids[len(s.token_ids) - len(r) + 1 :] for s, r in zip(sampling, picks, strict=True)]
-        return sample(logits, params, generators, drafts)
+        return sample(logits, params, generators, drafts, histories, self.config.model.eos_token_ids)
 
     def _record_hidden(self, plan: StepPlan, hidden: torch.Tensor, results: list[SampleResult]) -> None:
         """Final hidden states of the positions this step computed for good (a verify row: the

@@ -5,7 +5,8 @@ last token); a speculative verify row has 1 + k (after its last known token and 
 k drafts). Positions are flattened in row order: logits (N, V), N = sum over rows of 1 + k.
 
 Per position, in float32 (float64 when the logits are float64):
-1. Filter: temperature, then top-k, then top-p, each a per-position tensor of `SamplingBatch`.
+0. Penalties and the min_tokens ban (`engine/penalties.py`), for rows that use them.
+1. Filter: temperature, then min-p, top-k and top-p, each a per-position tensor of `SamplingBatch`.
    The most likely token always survives, whatever the parameters round to in the compute dtype.
 2. Draw one token from the filtered distribution p by an exponential race: with E(t) ~ Exp(1)
    independent per token, argmax_t p(t) / E(t) is token t with probability p(t). Seeded rows draw
@@ -19,8 +20,8 @@ Per position, in float32 (float64 when the logits are float64):
 Tokens, accepted counts and the requested log-probabilities are packed into one tensor and reach
 the host in one transfer.
 
-A new per-request parameter (min_p, presence / frequency / repetition penalties) is one more (N,)
-tensor in `SamplingBatch`, filled in `SamplingBatch.build`, and one more step in `filter_logits`.
+A new per-request parameter is one more (N,) tensor in `SamplingBatch`, filled in
+`SamplingBatch.build`, and one more step in `filter_logits`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from replayserve.engine.penalties import Penalties, apply_penalties
 from replayserve.engine.request import SamplingParams
 from replayserve.engine.transfer import to_device
 from replayserve.spec.acceptance import accept_drafts
@@ -61,6 +63,7 @@ class SamplingBatch:
     temperature: torch.Tensor  # (N,) compute dtype: 0 on greedy rows, otherwise >= the dtype's tiny
     top_k: torch.Tensor  # (N,) int64: 0 = off
     top_p: torch.Tensor  # (N,) compute dtype: 1 = off
+    min_p: torch.Tensor  # (N,) compute dtype: 0 = off
     drafts: torch.Tensor  # (N,) int64: the draft each position's distribution verifies, -1 at a row's last
     grid_index: torch.Tensor  # (N,) int64: row * width + j at position j of a row
     row_starts: tuple[int, ...]  # (R + 1,) each row's first position, then N
@@ -70,6 +73,7 @@ class SamplingBatch:
     all_greedy: bool
     max_top_k: int  # the largest top_k of a row that truncates by it; 0 when none does
     any_top_p: bool  # some row truncates by top_p
+    any_min_p: bool  # some row truncates by min_p
 
     @property
     def num_rows(self) -> int:
@@ -85,6 +89,7 @@ class SamplingBatch:
         width = 1 + max((len(d) for d in drafts), default=0)
         temperature: list[float] = []
         top_p: list[float] = []
+        min_p: list[float] = []
         top_k: list[int] = []
         draft_ids: list[int] = []
         grid: list[int] = []
@@ -95,19 +100,20 @@ class SamplingBatch:
             # A positive temperature that rounds to 0 in `dtype` must not read as greedy.
             temperature += [0.0 if p.greedy else max(p.temperature, tiny)] * n
             top_p += [1.0 if p.greedy else p.top_p] * n
+            min_p += [0.0 if p.greedy else p.min_p] * n
             top_k += [p.top_k if not p.greedy and 0 < p.top_k < vocab_size else 0] * n
             draft_ids += [*d, -1]
             grid += range(row * width, row * width + n)
             if gen is not None and not p.greedy:
                 seeded.append((starts[-1], starts[-1] + n, gen))
             starts.append(starts[-1] + n)
-        floats = to_device(torch.tensor([temperature, top_p], dtype=dtype), device)
+        floats = to_device(torch.tensor([temperature, top_p, min_p], dtype=dtype), device)
         ints = to_device(torch.tensor([top_k, draft_ids, grid], dtype=torch.int64), device)
         return cls(
-            temperature=floats[0], top_p=floats[1], top_k=ints[0], drafts=ints[1], grid_index=ints[2],
+            temperature=floats[0], top_p=floats[1], min_p=floats[2], top_k=ints[0], drafts=ints[1], grid_index=ints[2],
             row_starts=tuple(starts), width=width, seeded=tuple(seeded),
             logprobs=tuple(p.logprobs for p in params), all_greedy=all(p.greedy for p in params),
-            max_top_k=max(top_k, default=0), any_top_p=any(v < 1.0 for v in top_p),
+            max_top_k=max(top_k, default=0), any_top_p=any(v < 1.0 for v in top_p), any_min_p=any(min_p),
         )
 
 
@@ -121,6 +127,8 @@ def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     # Shifting first keeps the most likely token at 0 (probability >= 1 / V) however small the
     # temperature: x / t alone can overflow to inf and give NaN probabilities.
     x = (x - x.amax(dim=-1, keepdim=True)) / temperature[:, None]
+    if batch.any_min_p:  # p < min_p * p_max, i.e. x < log(min_p) with the maximum at 0 (min_p 0: -inf)
+        x = x.masked_fill(x < batch.min_p.log()[:, None], -torch.inf)
     if batch.any_top_p:
         sorted_x, order = x.sort(dim=-1, descending=True)
         if batch.max_top_k:
@@ -169,13 +177,17 @@ def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Ten
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
-           drafts: Sequence[Sequence[int]] | None = None) -> list[SampleResult]:
+           drafts: Sequence[Sequence[int]] | None = None,
+           histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+           eos_token_ids: Sequence[int] = ()) -> list[SampleResult]:
     """Samples every row of a step; one device-to-host transfer.
 
     Args:
         logits: (N, V), any float dtype: row i's 1 + len(drafts[i]) positions, rows in order.
         params, generators: one SamplingParams and generator (None: unseeded) per row.
         drafts: per row, the drafts its positions verify; None: every row is plain.
+        histories: per row, its (prompt, output) tokens so far, for penalties and min_tokens.
+        eos_token_ids: the model's, banned by min_tokens.
 
     Returns:
         One SampleResult per row. Reported log-probabilities are those of the model's distribution,
@@ -184,7 +196,11 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
     drafts = [()] * len(params) if drafts is None else drafts
     dtype = compute_dtype(logits.dtype)
     batch = SamplingBatch.build(params, generators, drafts, logits.shape[-1], dtype, logits.device)
-    draws, accepted = sample_tokens(logits, batch)
+    penalties = None
+    if histories is not None:
+        penalties = Penalties.build(params, batch.row_starts[:-1], histories, eos_token_ids, logits.shape[-1], dtype,
+                                    logits.device)
+    draws, accepted = sample_tokens(logits if penalties is None else apply_penalties(logits, penalties), batch)
     parts = [draws, accepted]
     k_max = max((k for k in batch.logprobs if k is not None), default=None)
     if k_max is not None:
@@ -224,8 +240,11 @@ def _results(host: list[float], batch: SamplingBatch, k_max: int) -> list[Sample
 
 def filter_ref(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The oracle of `filter_logits` for one row: (V,) logits -> temperature-scaled logits with
-    top-k / top-p cut to -inf (params not greedy)."""
+    min-p, top-k and top-p cuts to -inf (params not greedy)."""
     logits = logits / params.temperature
+    if params.min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), -torch.inf)
     if params.top_k != -1 and params.top_k < logits.numel():
         kth = logits.topk(params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, -torch.inf)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from replayserve.cache.manager import BoundaryWrite, CacheManager
 from replayserve.config import MAMBA_CACHE_MODES
+from replayserve.engine.penalties import uses_history
 from replayserve.engine.request import Request, Status
 from replayserve.spec.proposers import Proposer
 
@@ -129,7 +130,7 @@ class Scheduler:
     def _drafts(self, request: Request, budget: int) -> tuple[int, ...]:
         """Draft tokens for a decode row: at most k, the budget, and what max_tokens and
         max_model_len leave room for (every kept token must still be a legal output)."""
-        if self.proposer is None:
+        if self.proposer is None or uses_history(request.params):  # penalties read one position per row
             return ()
         room = min(self.num_speculative_tokens, budget - 1,
                    request.params.max_tokens - len(request.output_token_ids) - 1)
