@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -179,6 +180,23 @@ class LLM:
                    for c in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def _run(self, total: int, use_tqdm: bool) -> None:
+        """Steps until every request is done; the bar shows requests done and the prefill (input)
+        and generated (output) tokens per second, updated every step, as vLLM's does."""
+        engine = self.engine
+        prefilled, generated, start = engine.num_prefill_tokens, engine.num_generated_tokens, time.perf_counter()
+        shown = start
+        with tqdm(total=total, disable=not use_tqdm, desc="Processed prompts", dynamic_ncols=True) as bar:
+            while engine.has_unfinished():
+                done = len(engine.step())
+                now = time.perf_counter()
+                if done or now - shown > 0.5 or not engine.has_unfinished():
+                    elapsed, shown = max(now - start, 1e-9), now
+                    bar.set_postfix_str(f"input: {(engine.num_prefill_tokens - prefilled) / elapsed:.0f} tok/s, "
+                                        f"output: {(engine.num_generated_tokens - generated) / elapsed:.0f} tok/s",
+                                        refresh=not done)
+                bar.update(done)
+
     def get_tokenizer(self) -> Tokenizer | None:
         """The model directory's tokenizer (None when it has no tokenizer.json)."""
         return self.tokenizer
@@ -210,10 +228,7 @@ class LLM:
                     seed = None if p.seed is None else (p.seed + i) % (MAX_SEED + 1)
                     child = p if i == 0 else dataclasses.replace(p, seed=seed)
                     requests[-1].append(self.engine.add_request(prompt_ids, child, cache_salt))
-            total = sum(len(r) for r in requests)
-            with tqdm(total=total, disable=not use_tqdm or total < 2, desc="requests") as bar:
-                while self.engine.has_unfinished():
-                    bar.update(len(self.engine.step()))
+            self._run(sum(len(r) for r in requests), use_tqdm)
         finally:
             for request in (r for group in requests for r in group):  # an interrupted call keeps no block or slot
                 self.engine.abort(request)

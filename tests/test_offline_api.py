@@ -78,3 +78,11 @@ def test_version_is_the_installed_distributions() -> None:
 def test_bad_n_is_refused(n: object) -> None:
     with pytest.raises(ValueError, match="SamplingParams.n"):
         SamplingParams(n=n)  # type: ignore[arg-type]
+
+
+def test_the_progress_bar_shows_requests_and_token_rates(llm: LLM, capsys: pytest.CaptureFixture) -> None:
+    llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}] * 3, SamplingParams(temperature=0.0, max_tokens=5))
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err and "3/3" in err
+    assert "input:" in err and "output:" in err and "tok/s" in err
+    assert llm.get_metrics()["num_prefill_tokens"] >= 12

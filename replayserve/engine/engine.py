@@ -50,6 +50,7 @@ class Engine:
         self._ids = itertools.count()
         self._generators: dict[str, torch.Generator] = {}
         self.num_generated_tokens = 0
+        self.num_prefill_tokens = 0  # prompt (and recomputed) tokens run through prefill
         self.num_steps = 0
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -94,7 +95,7 @@ class Engine:
     def get_metrics(self) -> dict[str, float]:
         """Counters since start: prefix cache (tokens, per group and usable), steps, preemptions."""
         return {**self.cache.metrics.as_dict(), **self.spec_metrics.as_dict(), "num_steps": self.num_steps,
-                "num_generated_tokens": self.num_generated_tokens,
+                "num_generated_tokens": self.num_generated_tokens, "num_prefill_tokens": self.num_prefill_tokens,
                 "num_preemptions": self.scheduler.num_preemptions}
 
     def abort(self, request: Request) -> None:
@@ -145,6 +146,7 @@ class Engine:
             raise
         self.spec_metrics.record({s.request_id: s.num_drafts for s in plan.seqs if s.num_drafts}, emitted)
         self.num_steps += 1
+        self.num_prefill_tokens += sum(len(s.token_ids) for s in plan.seqs if not s.is_decode)
         if self.config.enable_prefix_caching and logger.isEnabledFor(logging.DEBUG):
             m = self.cache.metrics
             logger.debug("step %d: %d seqs, %d tokens; prefix cache %d/%d tokens hit", self.num_steps,
