@@ -1,11 +1,18 @@
-"""`replayserve demo | generate | make-tiny`."""
+"""`replayserve demo | generate | make-tiny`: every option has help, its default and its choices;
+a user error prints one line (what is wrong, how to fix it) and exits 2; Ctrl-C one line, 130."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
+import sys
 import time
 from pathlib import Path
+from typing import Any, NoReturn
+
+from replayserve.config import DTYPES, MAMBA_CACHE_MODES, SSM_BACKENDS
 
 DEMO_PROMPTS = [
     "Hybrid language models mix",
@@ -19,9 +26,67 @@ DEMO_PROMPTS = [
 ]
 
 
+class UserError(Exception):
+    """A mistake in the invocation: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def default_demo_dir() -> Path:
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache) / "replayserve" / "tiny-nemotron-h"
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    """The options of `LLM(...)`, shared by every command that builds an engine."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
+                   help="weights and activations; auto: bfloat16 on CUDA, float32 on CPU (default %(default)s)")
+    g.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when torch sees a GPU, else cpu")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together (default %(default)s)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens per step: prefill chunks plus decode rows (default %(default)s)")
+    g.add_argument("--max-model-len", type=int, help="prompt plus output tokens (default: the model's limit)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
+    g.add_argument("--num-kv-blocks", type=int, help="KV blocks (default: enough for max-num-seqs full sequences)")
+    g.add_argument("--ssm-backend", default="baseline", choices=SSM_BACKENDS,
+                   help="Mamba decode: baseline (state every step) or replay (ReplaySSM) (default %(default)s)")
+    g.add_argument("--replay-window", type=int, default=16, help="ReplaySSM window (default %(default)s)")
+    g.add_argument("--enable-prefix-caching", action="store_true", help="reuse cached prompt prefixes")
+    g.add_argument("--mamba-cache-mode", choices=MAMBA_CACHE_MODES,
+                   help="which Mamba states prefix caching keeps (default: align for Mamba models)")
+    g.add_argument("--num-mamba-cache-slots", type=int, help="cached Mamba states (default max-num-seqs)")
+    g.add_argument("--mamba-block-size", type=int, help="tokens between cached Mamba states")
+    g.add_argument("--speculative", metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
+    g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """LLM keyword arguments from the parsed engine options."""
+    speculative = None
+    if args.speculative is not None:
+        try:
+            speculative = json.loads(args.speculative)
+        except json.JSONDecodeError as e:
+            raise UserError(f"--speculative is not valid JSON ({e.msg}); e.g. "
+                            '\'{"method": "ngram", "num_speculative_tokens": 3}\'') from e
+        if not isinstance(speculative, dict):
+            raise UserError("--speculative must be a JSON object")
+    names = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
+             "num_kv_blocks", "ssm_backend", "replay_window", "enable_prefix_caching", "mamba_cache_mode",
+             "num_mamba_cache_slots", "mamba_block_size", "enforce_eager")
+    return {**{n: getattr(args, n) for n in names}, "speculative": speculative}
+
+
+def _model_dir(path: str) -> str:
+    if not Path(path).is_dir():
+        raise UserError(f"the model directory {path} does not exist")
+    return path
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -32,62 +97,99 @@ def _demo(args: argparse.Namespace) -> None:
     if not (model_dir / "config.json").is_file():
         print(f"writing a tiny random Nemotron-H to {model_dir}")
         make_tiny(model_dir, seed=0)
-    llm = LLM(model=str(model_dir), dtype=args.dtype, device=args.device)
+    llm = LLM(model=str(model_dir), **engine_options(args))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    outputs = llm.generate(DEMO_PROMPTS, params)
-    elapsed = time.perf_counter() - start
+    llm.generate(DEMO_PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)  # warm-up
+    rates = []
+    for _ in range(args.repeats):  # the median over repeats: one noisy run cannot set the figure
+        start = time.perf_counter()
+        outputs = llm.generate(DEMO_PROMPTS, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        rates.append(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed)
     for prompt, out in zip(DEMO_PROMPTS, outputs, strict=True):
-        print(f"{prompt!r} -> {out.text!r}")
-    n = sum(len(o.token_ids) for o in outputs)
-    print(f"throughput: {n} tokens in {elapsed:.2f} s = {n / elapsed:.1f} tok/s "
+        print(f"{prompt!r} -> {out.outputs[0].text!r}")
+    print(f"throughput: median {statistics.median(rates):.1f} tok/s over {args.repeats} runs "
           f"(batch {len(outputs)}, {llm.config.dtype}, {llm.config.device})")
 
 
 def _generate(args: argparse.Namespace) -> None:
     from replayserve import LLM, SamplingParams
 
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device)
     params = SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-        max_tokens=args.max_tokens, stop=args.stop or (),
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+        max_tokens=args.max_tokens, stop=args.stop or [], logprobs=args.logprobs, ignore_eos=args.ignore_eos, n=args.n,
     )
-    for prompt, out in zip(args.prompt, llm.generate(args.prompt, params), strict=True):
-        print(f"{prompt}{out.text}")
+    llm = LLM(model=_model_dir(args.model), **engine_options(args))
+    for i, (prompt, out) in enumerate(zip(args.prompt, llm.generate(args.prompt, params), strict=True)):
+        print(f"=== prompt {i} ===\n{prompt}")
+        for c in out.outputs:
+            print(f"--- completion {c.index} (finish: {c.finish_reason}"
+                  f"{'' if c.stop_reason is None else f', stop: {c.stop_reason!r}'}) ---\n{c.text}")
+            if c.logprobs is not None:
+                print(f"logprobs: {c.logprobs}")
 
 
 def _make_tiny(args: argparse.Namespace) -> None:
     from replayserve.tiny import make_tiny
 
-    out = make_tiny(args.dir, seed=args.seed, layers=args.layers)
-    print(f"wrote {out}")
+    out = Path(args.dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
+        raise UserError(f"{out} exists and is not an empty directory; pass --force to overwrite it")
+    print(f"wrote {make_tiny(out, seed=args.seed, layers=args.layers)}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from replayserve import __version__
+
+    parser = _Parser(prog="replayserve", description="A serving engine for hybrid Mamba2/attention models.")
+    parser.add_argument("--version", action="version", version=f"replayserve {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    demo = sub.add_parser("demo", help="generate with a tiny built-in model and print the throughput")
+    demo.add_argument("--model-dir", help=f"where the tiny model lives (default {default_demo_dir()})")
+    demo.add_argument("--max-tokens", type=int, default=32, help="tokens per prompt (default %(default)s)")
+    demo.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up (default %(default)s)")
+    add_engine_options(demo)
+
+    gen = sub.add_parser("generate", help="generate from a model directory")
+    gen.add_argument("--model", required=True, help="a Hugging Face model directory (config.json, safetensors)")
+    gen.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
+    s = gen.add_argument_group("sampling")
+    s.add_argument("--max-tokens", type=int, default=64, help="(default %(default)s)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default %(default)s)")
+    s.add_argument("--top-k", type=int, default=-1, help="-1 is off (default %(default)s)")
+    s.add_argument("--top-p", type=float, default=1.0, help="(default %(default)s)")
+    s.add_argument("--min-p", type=float, default=0.0, help="(default %(default)s)")
+    s.add_argument("--seed", type=int, help="per-request sampling seed")
+    s.add_argument("--stop", action="append", help="a stop string; repeat for several")
+    s.add_argument("--n", type=int, default=1, help="completions per prompt (default %(default)s)")
+    s.add_argument("--logprobs", type=int, help="print the top-k log-probabilities of each token")
+    s.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    add_engine_options(gen)
+
+    tiny = sub.add_parser("make-tiny", help="write a random tiny Nemotron-H in Hugging Face format")
+    tiny.add_argument("dir", help="the directory to write")
+    tiny.add_argument("--seed", type=int, default=0, help="weights seed (default %(default)s)")
+    tiny.add_argument("--layers", default="M*-ME",
+                      help="layer pattern: M Mamba2, * attention, - MLP, E MoE (default %(default)s)")
+    tiny.add_argument("--force", action="store_true", help="overwrite a non-empty directory")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="replayserve")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from replayserve.models.loader import CheckpointError
 
-    demo = sub.add_parser("demo", help="generate with a tiny built-in model")
-    demo.add_argument("--model-dir", help=f"where the tiny model lives (default {default_demo_dir()})")
-    demo.add_argument("--max-tokens", type=int, default=32)
-    gen = sub.add_parser("generate", help="generate from a model directory")
-    gen.add_argument("--model", required=True)
-    gen.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int)
-    gen.add_argument("--stop", action="append")
-    for p in (demo, gen):
-        p.add_argument("--dtype", default="auto")
-        p.add_argument("--device")
-    tiny = sub.add_parser("make-tiny", help="write a random tiny Nemotron-H in Hugging Face format")
-    tiny.add_argument("dir")
-    tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--layers", default="M*-ME", help="layer pattern: M Mamba2, * attention, - MLP, E MoE")
-    args = parser.parse_args(argv)
-    {"demo": _demo, "generate": _generate, "make-tiny": _make_tiny}[args.command](args)
+    args = build_parser().parse_args(argv)
+    command = {"demo": _demo, "generate": _generate, "make-tiny": _make_tiny}[args.command]
+    try:
+        command(args)
+    except (UserError, ValueError, FileNotFoundError, CheckpointError) as e:  # ConfigError is a ValueError
+        one_line = " ".join(str(e).split())
+        print(f"replayserve {args.command}: error: {one_line}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("replayserve: interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,89 @@
+"""The command line: help for every option, --version, generate with engine options printing each
+prompt and completion apart, and a table of bad invocations that each exit 2 with one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import replayserve
+from replayserve.cli import build_parser, main
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_every_option_has_help() -> None:
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if a.dest == "command").choices
+    for name, sub in subparsers.items():
+        for action in sub._actions:
+            if action.dest != "help":
+                assert action.help, f"{name} {action.option_strings or action.dest} has no help"
+
+
+def test_version(capsys: pytest.CaptureFixture) -> None:
+    code, out, _ = _run(["--version"], capsys)
+    assert code == 0 and out.strip() == f"replayserve {replayserve.__version__}"
+
+
+def test_generate_prints_prompts_and_completions_apart(tiny_model_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    code, out, err = _run(["generate", "--model", str(tiny_model_dir), "--prompt", "Hello", "--prompt", "def f(",
+                           "--max-tokens", "4", "--n", "2", "--temperature", "1.0", "--seed", "0",
+                           "--ssm-backend", "replay", "--enable-prefix-caching", "--dtype", "float64",
+                           "--device", "cpu", "--speculative", '{"method": "ngram", "num_speculative_tokens": 2}'],
+                          capsys)
+    assert code == 0, err
+    assert out.count("=== prompt") == 2 and out.count("--- completion") == 4
+    assert "=== prompt 1 ===\ndef f(\n" in out and "(finish: length)" in out
+
+
+def test_make_tiny_refuses_a_non_empty_directory(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "keep.txt").write_text("mine")
+    code, _, err = _run(["make-tiny", str(tmp_path)], capsys)
+    assert code == 2 and "--force" in err and len(err.strip().splitlines()) == 1
+    assert (tmp_path / "keep.txt").read_text() == "mine" and not (tmp_path / "config.json").exists()
+    assert _run(["make-tiny", str(tmp_path), "--force"], capsys)[0] == 0
+    assert (tmp_path / "config.json").is_file()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    ([], "required"),
+    (["serve-everything"], "invalid choice"),
+    (["generate", "--prompt", "x"], "--model"),
+    (["generate", "--model", "/no/such/dir", "--prompt", "x"], "does not exist"),
+    (["generate", "--model", "{model}", "--prompt", "x", "--dtype", "int8"], "invalid choice"),
+    (["generate", "--model", "{model}", "--prompt", "x", "--speculative", "{oops"], "not valid JSON"),
+    (["generate", "--model", "{model}", "--prompt", "x", "--speculative", '{"method": "eagle", '
+      '"num_speculative_tokens": 2}'], "method"),
+    (["generate", "--model", "{model}", "--prompt", "x", "--temperature", "-1"], "temperature"),
+    (["generate", "--model", "{model}", "--prompt", "x", "--max-tokens", "many"], "invalid int"),
+    (["generate", "--model", "{model}", "--prompt", "x", "--block-size", "0", "--device", "cpu"], "block_size"),
+])
+def test_bad_invocations_exit_2_with_one_line(tiny_model_dir: Path, capsys: pytest.CaptureFixture, argv: list[str],
+                                              message: str) -> None:
+    code, out, err = _run([a.replace("{model}", str(tiny_model_dir)) for a in argv], capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_ctrl_c_ends_with_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                   capsys: pytest.CaptureFixture) -> None:
+    import replayserve.tiny
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(replayserve.tiny, "make_tiny", interrupted)
+    code, _, err = _run(["make-tiny", str(tmp_path / "new")], capsys)
+    assert code == 130 and err.strip() == "replayserve: interrupted"
