@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import LAYERS, SIZES  # noqa: E402
 
 from replayserve import LLM, SamplingParams  # noqa: E402
-from replayserve.spec.proposers import OracleProposer  # noqa: E402
+from replayserve.speculative.proposers import OracleProposer  # noqa: E402
 from replayserve.tiny import make_tiny  # noqa: E402
 
 

@@ -223,7 +223,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # ngram: shortest suffix to match
     prompt_lookup_max: int = 3  # ngram: longest suffix to match
     model: str | None = None  # draft: the draft checkpoint's directory (same vocabulary)
-    proposer: Any = None  # custom: a replayserve.spec.proposers.Proposer
+    proposer: Any = None  # custom: a replayserve.speculative.proposers.Proposer
 
     def __post_init__(self) -> None:
         def fail(option: str, why: str) -> None:

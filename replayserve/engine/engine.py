@@ -16,8 +16,8 @@ from replayserve.engine.runner import Runner
 from replayserve.engine.sampler import SampleResult
 from replayserve.engine.scheduler import Scheduler
 from replayserve.models.nemotron_h import NemotronHForCausalLM
-from replayserve.spec.factory import make_proposer
-from replayserve.spec.metrics import SpecMetrics
+from replayserve.speculative.factory import make_proposer
+from replayserve.speculative.metrics import SpecMetrics
 from replayserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

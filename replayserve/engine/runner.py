@@ -23,7 +23,7 @@ from replayserve.ssm.layout import MambaLayout
 from replayserve.ssm.replay import ReplayBackend
 
 if TYPE_CHECKING:
-    from replayserve.spec.mtp import HiddenStore
+    from replayserve.speculative.mtp import HiddenStore
 
 logger = logging.getLogger(__name__)
 

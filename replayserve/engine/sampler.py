@@ -34,7 +34,7 @@ import torch
 from replayserve.engine.penalties import Penalties, apply_penalties
 from replayserve.engine.request import SamplingParams
 from replayserve.engine.transfer import to_device
-from replayserve.spec.acceptance import accept_drafts
+from replayserve.speculative.acceptance import accept_drafts
 
 
 @dataclass(frozen=True)

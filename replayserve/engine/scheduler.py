@@ -14,7 +14,7 @@ from replayserve.cache.manager import BoundaryWrite, CacheManager
 from replayserve.config import MAMBA_CACHE_MODES
 from replayserve.engine.penalties import uses_history
 from replayserve.engine.request import Request, Status
-from replayserve.spec.proposers import Proposer
+from replayserve.speculative.proposers import Proposer
 
 
 @dataclass(frozen=True)

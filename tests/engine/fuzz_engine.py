@@ -29,7 +29,7 @@ from typing import Any
 
 from replayserve import LLM, SamplingParams
 from replayserve.engine.request import Request, Status
-from replayserve.spec.proposers import OracleProposer
+from replayserve.speculative.proposers import OracleProposer
 from replayserve.tiny import make_tiny
 
 STAGES = ("propose", "execute_before", "execute_after", "ssm_end_step", "decode", "publish_after", "update",

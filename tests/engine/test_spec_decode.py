@@ -11,7 +11,7 @@ import torch
 
 from replayserve import LLM, SamplingParams
 from replayserve.config import ConfigError
-from replayserve.spec.proposers import OracleProposer
+from replayserve.speculative.proposers import OracleProposer
 from replayserve.tiny import make_tiny
 from tests.conftest import assert_pools_full
 from tests.engine.test_prefix_cache import _llm, _workload, check_boundary_states
@@ -211,7 +211,7 @@ def mtp_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize(("backend", "mode"), [("baseline", None), ("replay", None), ("replay", "all")])
 def test_mtp_proposer_is_lossless_and_reads_the_right_hidden_states(mtp_model_dir: Path, backend: str,
                                                                     mode: str | None) -> None:
-    from replayserve.spec.mtp import HiddenStore
+    from replayserve.speculative.mtp import HiddenStore
 
     prompts = [{"prompt_token_ids": p} for p in _prompts()]
     plain = LLM(model=str(mtp_model_dir), dtype="float64", device="cpu", max_num_seqs=4)

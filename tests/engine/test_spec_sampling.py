@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from replayserve import LLM, SamplingParams
-from replayserve.spec.proposers import Proposer
+from replayserve.speculative.proposers import Proposer
 from replayserve.tiny import make_tiny
 
 PROMPT = [1, 5, 2, 7]
@@ -78,7 +78,7 @@ def test_spec_sampling_matches_the_target_joint_distribution(tmp_path_factory: p
     assert chi2(expected) < critical, f"chi-square {chi2(expected):.1f} over {len(groups)} cells"
     # Power: had the second token's distribution moved 5% of its mass from the draft to another
     # token (after the most likely first token), these samples would have shown it. (The 2% power
-    # check is at the acceptance function's level, tests/spec/test_acceptance.py, where 40k
+    # check is at the acceptance function's level, tests/speculative/test_acceptance.py, where 40k
     # samples are cheap.)
     a = max(range(V), key=lambda t: p1[t])
     other = max((t for t in range(V) if t != DRAFT), key=lambda t: p2[a][t])

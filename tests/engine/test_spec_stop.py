@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from replayserve import LLM, SamplingParams
-from replayserve.spec.proposers import OracleProposer
+from replayserve.speculative.proposers import OracleProposer
 from tests.conftest import assert_pools_full
 from tests.engine.test_prefix_cache import _tokens
 

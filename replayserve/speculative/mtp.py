@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from replayserve.models.nemotron_h import NemotronHForCausalLM
-from replayserve.spec.proposers import Proposer
+from replayserve.speculative.proposers import Proposer
 
 
 class HiddenStore:

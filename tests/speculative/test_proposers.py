@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from replayserve.spec.proposers import NgramProposer, OracleProposer
+from replayserve.speculative.proposers import NgramProposer, OracleProposer
 
 # ---------------------------------------------------------------------------------------------- n-gram
 

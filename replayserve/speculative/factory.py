@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from replayserve.config import EngineConfig
-from replayserve.spec.proposers import NgramProposer, Proposer
+from replayserve.speculative.proposers import NgramProposer, Proposer
 
 if TYPE_CHECKING:
     from replayserve.engine.runner import Runner
@@ -20,12 +20,12 @@ def make_proposer(engine: EngineConfig, runner: Runner) -> Proposer | None:
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "draft":
-        from replayserve.spec.draft import DraftModelProposer
+        from replayserve.speculative.draft import DraftModelProposer
 
         assert config.model is not None
         return DraftModelProposer(config.model, engine)
     if config.method == "mtp":
-        from replayserve.spec.mtp import HiddenStore, MTPProposer
+        from replayserve.speculative.mtp import HiddenStore, MTPProposer
 
         runner.hidden_store = HiddenStore()
         return MTPProposer(runner.model, runner.hidden_store)

@@ -9,7 +9,7 @@ import torch
 
 from replayserve.engine.request import SamplingParams
 from replayserve.engine.sampler import SamplingBatch, filter_ref, sample, sample_tokens
-from replayserve.spec.acceptance import (
+from replayserve.speculative.acceptance import (
     _rejection_accept_batch,
     accept_argmax,
     accept_drafts,

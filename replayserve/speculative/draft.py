@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from replayserve.config import ConfigError, EngineConfig, ModelConfig
 from replayserve.engine.request import SamplingParams
-from replayserve.spec.proposers import Proposer
+from replayserve.speculative.proposers import Proposer
 
 
 class DraftModelProposer(Proposer):
