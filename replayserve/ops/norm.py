@@ -55,3 +55,25 @@ def gated_rms_norm_ref(x: Tensor, z: Tensor, weight: Tensor, eps: float, group_s
     groups = groups * torch.rsqrt(groups.pow(2).mean(dim=-1, keepdim=True) + eps)
     h = groups.reshape(h.shape)
     return weight * h.to(x.dtype)
+
+
+def add_rms_norm_ref(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """A residual add followed by RMSNorm of the sum (the pre-norm of the next block).
+
+    Arguments:
+        x: (..., D) the block's output, any float dtype.
+        residual: (..., D) the residual stream, possibly kept wider than x (fp32 with bf16 x).
+        weight: (D,).
+        eps: as in ``rms_norm_ref``.
+
+    Returns:
+        normed: (..., D) in x.dtype, ``rms_norm_ref`` of the stored sum (so exactly what the
+            unfused ``residual = x + residual; norm(residual)`` gives), cast to x.dtype.
+        residual: (..., D) in residual.dtype, x + residual summed in
+            compute_dtype(promote_types(x.dtype, residual.dtype)).
+    """
+    if residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    cdt = compute_dtype(torch.promote_types(x.dtype, residual.dtype))
+    summed = (x.to(cdt) + residual.to(cdt)).to(residual.dtype)
+    return rms_norm_ref(summed, weight, eps).to(x.dtype), summed
