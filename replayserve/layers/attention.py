@@ -37,8 +37,18 @@ class Attention(nn.Module):
         v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         if ctx.uniform_decode:  # fixed shapes, no host sync: the CUDA-graph path
-            write_kv_cache_dense(k, v, k_cache, v_cache, ctx.slot_mapping)
-            out = decode_attention_dense(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, self.scale)
+            if q.is_cuda:  # Triton: reads each row's context only, not its whole block table
+                from replayserve.ops.paged_attention_triton import (
+                    paged_decode_attention_triton,
+                    write_kv_cache_triton,
+                )
+
+                write_kv_cache_triton(k, v, k_cache, v_cache, ctx.slot_mapping)
+                out = paged_decode_attention_triton(q, k_cache, v_cache, ctx.block_tables, ctx.query_start_loc,
+                                                    ctx.seq_lens, self.scale, max_query_len=ctx.uniform_decode)
+            else:
+                write_kv_cache_dense(k, v, k_cache, v_cache, ctx.slot_mapping)
+                out = decode_attention_dense(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, self.scale)
             return self.o_proj(out.reshape(t, -1))
         write_kv_cache_ref(k, v, k_cache, v_cache, ctx.slot_mapping)
         out = paged_attention_ref(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from replayserve.ops.dtypes import triton_ok
 from replayserve.ops.norm import gated_rms_norm_ref, rms_norm_ref
 
 
@@ -15,6 +16,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if triton_ok(x):  # one kernel instead of ~9
+            from replayserve.ops.norm_triton import rms_norm_triton
+
+            return rms_norm_triton(x, self.weight, self.eps)
         return rms_norm_ref(x, self.weight, self.eps)
 
 
@@ -28,4 +33,8 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if triton_ok(x):  # one kernel instead of ~11
+            from replayserve.ops.norm_triton import gated_rms_norm_triton
+
+            return gated_rms_norm_triton(x, z, self.weight, self.eps, self.group_size)
         return gated_rms_norm_ref(x, z, self.weight, self.eps, self.group_size)

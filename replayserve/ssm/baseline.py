@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from replayserve.ops.conv1d import causal_conv1d_update_ref
 from replayserve.ops.ssd import selective_state_update_ref
 from replayserve.ssm.backend import MambaParams, SSMBackend
 from replayserve.ssm.layout import MambaLayout
@@ -60,7 +59,7 @@ class BaselineBackend(SSMBackend):
     def decode(
         self, layer: int, slots: torch.Tensor, xbc: torch.Tensor, dt: torch.Tensor, params: MambaParams
     ) -> torch.Tensor:
-        xbc = causal_conv1d_update_ref(xbc, self.conv_state[layer], params.conv_weight, params.conv_bias, slots)
+        xbc = self._conv_update(xbc, self.conv_state[layer], params.conv_weight, params.conv_bias, slots)
         x, b, c = self.layout.split_xbc(xbc)
         return self._update(
             self.ssm_state[layer], x, dt, params.A, b, c, D=params.D, dt_bias=params.dt_bias,

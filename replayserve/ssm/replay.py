@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from replayserve.ops import replay_ssm as ref
-from replayserve.ops.conv1d import causal_conv1d_update_ref
 from replayserve.ssm.backend import MambaParams, SSMBackend, conv_state_after
 from replayserve.ssm.layout import MambaLayout
 
@@ -86,7 +85,7 @@ class ReplayBackend(SSMBackend):
     def decode(
         self, layer: int, slots: torch.Tensor, xbc: torch.Tensor, dt: torch.Tensor, params: MambaParams
     ) -> torch.Tensor:
-        xbc = causal_conv1d_update_ref(xbc, self.conv_state[layer], params.conv_weight, params.conv_bias, slots)
+        xbc = self._conv_update(xbc, self.conv_state[layer], params.conv_weight, params.conv_bias, slots)
         x, b, c = self.layout.split_xbc(xbc)
         ones = torch.ones_like(slots, dtype=torch.int32)
         y = self._step(

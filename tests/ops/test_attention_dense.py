@@ -52,3 +52,35 @@ def test_write_kv_cache_dense_equals_the_reference() -> None:
     write_kv_cache_ref(k, v, cache[2], cache[3], slots)
     assert torch.equal(cache[0], cache[2]) and torch.equal(cache[1], cache[3])
     assert cache[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("width", [1, 4])
+def test_triton_decode_attention_equals_dense_on_the_graph_buffers(width: int) -> None:
+    """The Triton kernel with the inputs the decode graphs build (query_start_loc = arange * W,
+    block tables padded with the pad block, seq_len = start + W, pad rows on the pad block) gives
+    the dense op's output on every real token (fp32: the interpreter's bf16 is broken)."""
+    from replayserve.ops.paged_attention_triton import paged_decode_attention_triton, write_kv_cache_triton
+
+    gen = torch.Generator().manual_seed(width)
+    pad, rows = NUM_BLOCKS, 4
+    caches = [torch.randn(NUM_BLOCKS + 1, BLOCK, HKV, DH, generator=gen) for _ in range(2)]
+    dense = [c.clone() for c in caches]
+    perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    starts = [3, 9, 0, 0]  # the last row is padding
+    tables = torch.full((rows, WIDTH), pad, dtype=torch.int64)
+    for row, start in enumerate(starts[:-1]):
+        n = -(-(start + width) // BLOCK)
+        tables[row, :n] = torch.tensor([perm.pop() for _ in range(n)])
+    seq_lens = torch.tensor([s + width for s in starts[:-1]] + [width])
+    slots = torch.tensor([int(tables[r, p // BLOCK]) * BLOCK + p % BLOCK if r < rows - 1 else pad * BLOCK
+                          for r in range(rows) for p in range(starts[r], starts[r] + width)])
+    k, v = (torch.randn(rows * width, HKV, DH, generator=gen) for _ in range(2))
+    q = torch.randn(rows * width, HQ, DH, generator=gen)
+    write_kv_cache_triton(k, v, caches[0], caches[1], slots)
+    write_kv_cache_dense(k, v, dense[0], dense[1], slots)
+    real = (rows - 1) * width
+    torch.testing.assert_close(caches[0][:pad], dense[0][:pad])
+    got = paged_decode_attention_triton(q, caches[0], caches[1], tables, torch.arange(rows + 1) * width, seq_lens, 0.3,
+                                        max_query_len=width)
+    want = decode_attention_dense(q, dense[0], dense[1], tables, seq_lens, 0.3)
+    torch.testing.assert_close(got[:real], want[:real], rtol=1e-4, atol=1e-4)
