@@ -365,6 +365,12 @@ class EngineConfig:
             fail("num_kv_blocks", f"{self.resolved_num_kv_blocks} blocks of {self.block_size} tokens cannot "
                  f"hold one sequence of max_model_len={self.resolved_max_model_len}; "
                  f"need at least {self.blocks_per_seq}")
+        # Last, every size being valid: the caches they imply must fit in free memory. Imported here
+        # because the Mamba state shapes come from ssm/layout, which imports this module.
+        from replayserve.cache_memory import cache_fit_error
+
+        if (why := cache_fit_error(self)) is not None:
+            fail("num_kv_blocks", why)
 
     @property
     def tokens_per_step(self) -> int:
