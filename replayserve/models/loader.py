@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
@@ -12,6 +14,8 @@ from safetensors import SafetensorError, safe_open
 
 from replayserve.config import ModelConfig
 from replayserve.models.nemotron_h import NemotronHForCausalLM
+
+logger = logging.getLogger(__name__)
 
 # transformers' in-memory names use `model.`; checkpoints on disk use `backbone.`.
 _PREFIXES = (("model.", "backbone."),)
@@ -86,17 +90,35 @@ def iter_checkpoint(files: list[Path], with_mtp: bool = False) -> Iterator[tuple
             raise CheckpointError(f"{path} is not a valid safetensors file: {e}") from e
 
 
+def _file_holding(files: list[Path], name: str) -> Path | None:
+    """The file that stores tensor `name` (reads headers only), or None."""
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                if name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    return path
+        except SafetensorError as e:
+            raise CheckpointError(f"{path} is not a valid safetensors file: {e}") from e
+    return None
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> NemotronHForCausalLM:
     """Builds the model from `config.json` and fills every parameter from the checkpoint.
 
-    Every tensor must be finite once cast to `dtype`: a NaN or Inf (or a value `dtype` cannot
-    hold) is an error naming the tensor.
+    With `tie_word_embeddings: true` the embedding matrix is the LM head, unless the checkpoint
+    stores its own `lm_head.weight`: then that one is used (with a warning naming its file), as
+    transformers 5.24 does, whose Nemotron-H never ties. Every tensor must be finite once cast to
+    `dtype`: a NaN or Inf (or a value `dtype` cannot hold) is an error naming the tensor.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
     cfg = ModelConfig.from_dir(model_dir)
     files = checkpoint_files(model_dir)
+    if cfg.tie_word_embeddings and (head_file := _file_holding(files, _LM_HEAD)) is not None:
+        logger.warning("%s stores %s although config.json sets tie_word_embeddings: true; using the stored "
+                       "%s instead of the embedding matrix, as transformers does", head_file, _LM_HEAD, _LM_HEAD)
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     with torch.device("meta"):
         model = NemotronHForCausalLM(cfg)
     model.to_empty(device=device)
@@ -109,8 +131,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
     seen: set[str] = set()
     unexpected = []
     for path, name, tensor in iter_checkpoint(files, with_mtp=cfg.num_nextn_predict_layers > 0):
-        if cfg.tie_word_embeddings and name == _LM_HEAD:
-            continue  # tied: the embedding matrix is the output projection
         target = expected.get(name)
         if target is None:
             unexpected.append(name)

@@ -7,6 +7,8 @@ with HF ``generate``. Run with ``pytest -s`` to see the observed maximum differe
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -284,3 +286,24 @@ def test_checkpoint_layouts(checkpoint: Callable[[str], Path]) -> None:
     cfg = (legacy / "config.json").read_text()
     assert '"hybrid_override_pattern": "M-M*-ME"' in cfg and "layers_block_type" not in cfg
     assert load_hf_model(str(legacy), torch.float32).config.layers_block_type[-1] == "moe"
+
+
+# --- Config edge cases against transformers -------------------------------------------------------
+
+
+def test_tied_config_with_stored_lm_head_uses_it(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """tie_word_embeddings: true, but the checkpoint stores its own, different lm_head.weight:
+    transformers uses the stored matrix, and so do we, with a warning naming the file and the key."""
+    model_dir = make_hf_checkpoint(tmp_path / "tied_own_head", "tied", own_lm_head=True)
+    stored = load_file(model_dir / "model.safetensors")
+    assert json.loads((model_dir / "config.json").read_text())["tie_word_embeddings"] is True
+    assert not torch.allclose(stored["lm_head.weight"], stored["backbone.embeddings.weight"])
+    assert torch.equal(load_hf_model(str(model_dir), torch.float32).lm_head.weight, stored["lm_head.weight"])
+
+    prompts = _prompts("tied", seed=4)
+    with caplog.at_level(logging.WARNING, logger="replayserve.models.loader"):
+        outs = _engine_generate(model_dir, "float32", prompts)
+    warned = [r.getMessage() for r in caplog.records if r.name == "replayserve.models.loader"]
+    assert any(str(model_dir / "model.safetensors") in m and "lm_head.weight" in m for m in warned), warned
+    max_diff, _ = _check_teacher_forced(model_dir, prompts, outs, torch.float32, F32_TOL)
+    print(f"\n[tied, own lm_head] float32: max |dlogprob| = {max_diff:.2e}")
