@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ _IGNORED_HF_KEYS = frozenset(
     {
         "architectures", "model_type", "dtype", "torch_dtype", "transformers_version", "_name_or_path",
         "auto_map", "use_cache", "num_logits_to_keep", "initializer_range", "rescale_prenorm_residual",
-        "residual_in_fp32", "hidden_dropout", "attention_dropout", "use_mamba_kernels", "time_step_max",
+        "hidden_dropout", "attention_dropout", "use_mamba_kernels", "time_step_max",
         "time_step_floor", "time_step_limit", "mamba_proj_bias", "output_router_logits",
         "moe_shared_expert_overlap", "n_shared_experts", "num_hidden_layers", "expand",
         "mamba_ssm_cache_dtype", "attention_bias",
@@ -180,6 +181,7 @@ class ModelConfig:
         hf = {_LEGACY_HF_KEYS.get(k, k): v for k, v in raw.items() if k not in _IGNORED_HF_KEYS}
         if raw.get("model_type", "nemotron_h") != "nemotron_h":
             raise ConfigError(f"model_type {raw['model_type']!r} is not supported; only 'nemotron_h'")
+        _check_residual_in_fp32(hf.pop("residual_in_fp32", False))
         mtp_types = _str_list(hf, "mtp_layers_block_type")
         mtp_pattern = _str_list(hf, "mtp_hybrid_override_pattern", str)
         if hf.get("num_nextn_predict_layers", 0):
@@ -242,6 +244,19 @@ def _str_list(hf: dict[str, Any], key: str, kind: type = list) -> Any:
         raise ConfigError(f"model config option {key}: must be {'a string' if kind is str else 'a list of strings'}, "
                           f"got {value!r}")
     return value
+
+
+def _check_residual_in_fp32(value: Any) -> None:
+    """transformers 5.24's NemotronHConfig declares `residual_in_fp32` (default false), but its
+    decoder block never reads it: the residual stream stays in the model dtype, as in vLLM. We
+    compute what transformers computes, and say so when a checkpoint asks for true (NVIDIA's
+    remote modeling code, which such a checkpoint may have been trained with, does apply it)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"model config option residual_in_fp32: must be bool, got {value!r}")
+    if value:
+        logging.getLogger(__name__).warning(
+            "config.json sets residual_in_fp32: true, which is not applied: the residual stream stays in the "
+            "model dtype, as transformers 5.24 and vLLM run Nemotron-H; use dtype float32 for a float32 residual")
 
 
 def _decode_special_floats(obj: dict[str, Any]) -> Any:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import typing
 
 import pytest
@@ -74,6 +75,7 @@ def test_speculative_fields_check_their_type(field: str) -> None:
         ({"layer_norm_epsilon": float("nan")}, "layer_norm_epsilon", "> 0"),
         ({"routed_scaling_factor": float("inf")}, "routed_scaling_factor", "finite"),
         ({"time_step_min": -0.001}, "time_step_min", ">= 0"),
+        ({"residual_in_fp32": "true"}, "residual_in_fp32", "must be bool"),
         # Relations.
         ({"num_key_value_heads": 3}, "num_key_value_heads", "must divide num_attention_heads=4"),
         ({"n_groups": 3}, "n_groups", "must divide mamba_num_heads=8"),
@@ -95,6 +97,14 @@ def test_accepted_model_values() -> None:
     assert (cfg.layer_norm_epsilon, cfg.routed_scaling_factor, cfg.time_step_min) == (1, 2, 0)
     assert cfg.eos_token_ids == (2, 3) and cfg.pad_token_id is None and cfg.num_experts_per_tok == 8
     assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+
+
+def test_residual_in_fp32_true_is_read_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """transformers does not apply it either (tests/models/test_hf_parity.py checks both engines)."""
+    with caplog.at_level(logging.WARNING, logger="replayserve.config"):
+        assert _from_json(residual_in_fp32=True) == _from_json(residual_in_fp32=False) == BASE
+    assert [r.name for r in caplog.records] == ["replayserve.config"]
+    assert "residual_in_fp32: true, which is not applied" in caplog.records[0].getMessage()
 
 
 @pytest.mark.parametrize(
