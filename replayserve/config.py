@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from replayserve.config_checks import check_field_types, check_minimums
 
 LAYER_TYPES = ("linear_attention", "full_attention", "mlp", "moe")
 MAMBA, ATTENTION, MLP, MOE = LAYER_TYPES
@@ -30,7 +33,7 @@ _IGNORED_HF_KEYS = frozenset(
     {
         "architectures", "model_type", "dtype", "torch_dtype", "transformers_version", "_name_or_path",
         "auto_map", "use_cache", "num_logits_to_keep", "initializer_range", "rescale_prenorm_residual",
-        "residual_in_fp32", "hidden_dropout", "attention_dropout", "use_mamba_kernels", "time_step_max",
+        "hidden_dropout", "attention_dropout", "use_mamba_kernels", "time_step_max",
         "time_step_floor", "time_step_limit", "mamba_proj_bias", "output_router_logits",
         "moe_shared_expert_overlap", "n_shared_experts", "num_hidden_layers", "expand",
         "mamba_ssm_cache_dtype", "attention_bias",
@@ -52,6 +55,21 @@ _LEGACY_HF_KEYS = {
 
 class ConfigError(ValueError):
     """A configuration option has a value this engine does not support."""
+
+
+# config.json keys of the fields whose name differs.
+_HF_KEYS = {"layer_types": "layers_block_type", "mtp_layer_types": "mtp_layers_block_type",
+            "eos_token_ids": "eos_token_id"}
+# Sizes and counts are at least 1 (None where optional), token ids at least 0.
+_MODEL_MINIMUMS = {
+    **dict.fromkeys(("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings", "intermediate_size", "mamba_num_heads", "mamba_head_dim",
+                     "ssm_state_size", "n_groups", "chunk_size", "n_routed_experts", "num_experts_per_tok",
+                     "moe_intermediate_size", "moe_shared_expert_intermediate_size", "moe_latent_size", "n_group",
+                     "topk_group"), 1),
+    "conv_kernel": 2,
+    **dict.fromkeys(("pad_token_id", "bos_token_id", "eos_token_ids", "num_nextn_predict_layers"), 0),
+}
 
 
 @dataclass(frozen=True)
@@ -98,9 +116,21 @@ class ModelConfig:
     mtp_layer_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        def fail(option: str, why: str) -> None:
+            raise ConfigError(f"model config option {_HF_KEYS.get(option, option)}: {why}")
+
+        # Types and ranges first: the relations below divide by these values.
+        check_field_types(self, fail)
+        check_minimums(self, _MODEL_MINIMUMS, fail)
+        for option in ("layer_norm_epsilon", "routed_scaling_factor"):
+            if not 0 < getattr(self, option) < math.inf:
+                fail(option, f"must be a finite number > 0, got {getattr(self, option)!r}")
+        if not 0 <= self.time_step_min < math.inf:
+            fail("time_step_min", f"must be a finite number >= 0, got {self.time_step_min!r}")
         bad = [t for t in self.layer_types if t not in LAYER_TYPES]
         if bad or not self.layer_types:
             raise ConfigError(f"layers_block_type: unsupported layer types {bad or '[]'}; allowed: {LAYER_TYPES}")
+        experts_per_group = self.n_routed_experts // self.n_group
         checks = [
             (self.mlp_hidden_act == "relu2", "mlp_hidden_act", f"{self.mlp_hidden_act!r}; only 'relu2'"),
             (self.mamba_hidden_act == "silu", "mamba_hidden_act", f"{self.mamba_hidden_act!r}; only 'silu'"),
@@ -111,10 +141,14 @@ class ModelConfig:
              f"{self.num_key_value_heads} must divide num_attention_heads={self.num_attention_heads}"),
             (self.n_routed_experts % self.n_group == 0, "n_group",
              f"{self.n_group} must divide n_routed_experts={self.n_routed_experts}"),
+            # Groups are ranked by the sum of their two best experts.
+            (self.n_group == 1 or experts_per_group >= 2, "n_group",
+             f"{self.n_group} leaves {experts_per_group} expert per group; grouped routing needs at least 2"),
             (self.topk_group <= self.n_group, "topk_group", f"{self.topk_group} > n_group={self.n_group}"),
-            (self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok",
-             f"{self.num_experts_per_tok} > n_routed_experts={self.n_routed_experts}"),
-            (self.conv_kernel >= 2, "conv_kernel", f"{self.conv_kernel}; must be >= 2"),
+            # More would pick experts of groups the router masked out.
+            (self.num_experts_per_tok <= self.topk_group * experts_per_group, "num_experts_per_tok",
+             f"{self.num_experts_per_tok} > the {self.topk_group * experts_per_group} experts of topk_group="
+             f"{self.topk_group} groups of n_routed_experts / n_group = {experts_per_group}"),
             (self.num_nextn_predict_layers in (0, 1), "num_nextn_predict_layers",
              f"{self.num_nextn_predict_layers}; one MTP step (1) or none (0)"),
             (not self.num_nextn_predict_layers
@@ -123,7 +157,7 @@ class ModelConfig:
         ]
         for ok, option, why in checks:
             if not ok:
-                raise ConfigError(f"model config option {option}: unsupported value {why}")
+                fail(option, f"unsupported value {why}")
 
     @property
     def num_mamba_layers(self) -> int:
@@ -147,14 +181,15 @@ class ModelConfig:
         hf = {_LEGACY_HF_KEYS.get(k, k): v for k, v in raw.items() if k not in _IGNORED_HF_KEYS}
         if raw.get("model_type", "nemotron_h") != "nemotron_h":
             raise ConfigError(f"model_type {raw['model_type']!r} is not supported; only 'nemotron_h'")
-        mtp_types = hf.pop("mtp_layers_block_type", None)
-        mtp_pattern = hf.pop("mtp_hybrid_override_pattern", None)
+        _check_residual_in_fp32(hf.pop("residual_in_fp32", False))
+        mtp_types = _str_list(hf, "mtp_layers_block_type")
+        mtp_pattern = _str_list(hf, "mtp_hybrid_override_pattern", str)
         if hf.get("num_nextn_predict_layers", 0):
             if mtp_types is None and mtp_pattern is not None:
                 mtp_types = [PATTERN_CHARS.get(c, c) for c in mtp_pattern]
             hf["mtp_layer_types"] = tuple(_MTP_ALIASES.get(t, t) for t in (mtp_types or ()))
-        pattern = hf.pop("hybrid_override_pattern", None)
-        layers = hf.pop("layers_block_type", None) or hf.pop("layer_types", None)
+        pattern = _str_list(hf, "hybrid_override_pattern", str)
+        layers = _str_list(hf, "layers_block_type") or _str_list(hf, "layer_types")
         if layers is None and pattern is not None:
             unknown = sorted(set(pattern) - set(PATTERN_CHARS))
             if unknown:
@@ -202,6 +237,28 @@ class ModelConfig:
         return out
 
 
+def _str_list(hf: dict[str, Any], key: str, kind: type = list) -> Any:
+    """Pops `key`: None when absent, else a `kind` (list or str) of strings."""
+    value = hf.pop(key, None)
+    if value is not None and not (isinstance(value, kind) and all(isinstance(v, str) for v in value)):
+        raise ConfigError(f"model config option {key}: must be {'a string' if kind is str else 'a list of strings'}, "
+                          f"got {value!r}")
+    return value
+
+
+def _check_residual_in_fp32(value: Any) -> None:
+    """transformers 5.24's NemotronHConfig declares `residual_in_fp32` (default false), but its
+    decoder block never reads it: the residual stream stays in the model dtype, as in vLLM. We
+    compute what transformers computes, and say so when a checkpoint asks for true (NVIDIA's
+    remote modeling code, which such a checkpoint may have been trained with, does apply it)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"model config option residual_in_fp32: must be bool, got {value!r}")
+    if value:
+        logging.getLogger(__name__).warning(
+            "config.json sets residual_in_fp32: true, which is not applied: the residual stream stays in the "
+            "model dtype, as transformers 5.24 and vLLM run Nemotron-H; use dtype float32 for a float32 residual")
+
+
 def _decode_special_floats(obj: dict[str, Any]) -> Any:
     # transformers writes non-finite floats as {"__float__": "Infinity"}.
     if set(obj) == {"__float__"}:
@@ -229,14 +286,15 @@ class SpeculativeConfig:
         def fail(option: str, why: str) -> None:
             raise ConfigError(f"speculative option {option}: {why}")
 
+        check_field_types(self, fail)
         if self.method not in SPEC_METHODS:
             fail("method", f"{self.method!r} is not one of {SPEC_METHODS}")
         if self.method == "draft" and not self.model:
             fail("model", "method 'draft' needs the draft checkpoint's directory")
         if self.method == "custom" and self.proposer is None:
             fail("proposer", "method 'custom' needs a Proposer object")
-        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
-            fail("num_speculative_tokens", f"must be an int >= 1, got {self.num_speculative_tokens!r}")
+        if self.num_speculative_tokens < 1:
+            fail("num_speculative_tokens", f"must be >= 1, got {self.num_speculative_tokens!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             fail("prompt_lookup_min", f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
                  f"prompt_lookup_max ({self.prompt_lookup_max})")
@@ -254,6 +312,10 @@ class SpeculativeConfig:
     @property
     def tokens_per_step(self) -> int:
         return 1 + self.num_speculative_tokens
+
+
+_ENGINE_MINIMUMS = dict.fromkeys(("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
+                                  "num_kv_blocks", "replay_window", "num_mamba_cache_slots", "mamba_block_size"), 1)
 
 
 @dataclass(frozen=True)
@@ -283,6 +345,9 @@ class EngineConfig:
         def fail(option: str, why: str) -> None:
             raise ConfigError(f"engine option {option}: {why}")
 
+        check_field_types(self, fail)
+        # Optional sizes are None for their default, never 0 (which `or` would also turn into it).
+        check_minimums(self, _ENGINE_MINIMUMS, fail)
         if self.dtype not in DTYPES:
             fail("dtype", f"{self.dtype!r} is not one of {DTYPES}")
         if self.device.split(":")[0] not in DEVICES:
@@ -300,18 +365,12 @@ class EngineConfig:
         if (self.speculative is not None and self.speculative.method == "mtp"
                 and not self.model.num_nextn_predict_layers):
             fail("speculative", "method 'mtp' needs a checkpoint with MTP layers (num_nextn_predict_layers = 1)")
-        for option in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            if getattr(self, option) < 1:
-                fail(option, f"must be >= 1, got {getattr(self, option)}")
         if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
             fail("mamba_cache_mode", f"{self.mamba_cache_mode!r} is not one of {MAMBA_CACHE_MODES}")
         if self.mamba_cache_mode != "none" and not self.enable_prefix_caching:
             fail("mamba_cache_mode", f"{self.mamba_cache_mode!r} keeps Mamba states for prefix hits and needs "
                  "enable_prefix_caching=True")
-        if self.num_mamba_cache_slots is not None and self.num_mamba_cache_slots < 1:
-            fail("num_mamba_cache_slots", f"must be >= 1, got {self.num_mamba_cache_slots}")
-        if self.mamba_block_size is not None and (self.mamba_block_size < 1
-                                                  or self.mamba_block_size % self.block_size):
+        if self.mamba_block_size is not None and self.mamba_block_size % self.block_size:
             fail("mamba_block_size", f"{self.mamba_block_size} must be a positive multiple of "
                  f"block_size={self.block_size}")
         if self.mamba_cache_mode == "align" and self.max_num_batched_tokens < self.resolved_mamba_block_size:
@@ -323,6 +382,12 @@ class EngineConfig:
             fail("num_kv_blocks", f"{self.resolved_num_kv_blocks} blocks of {self.block_size} tokens cannot "
                  f"hold one sequence of max_model_len={self.resolved_max_model_len}; "
                  f"need at least {self.blocks_per_seq}")
+        # Last, every size being valid: the caches they imply must fit in free memory. Imported here
+        # because the Mamba state shapes come from ssm/layout, which imports this module.
+        from replayserve.cache_memory import cache_fit_error
+
+        if (why := cache_fit_error(self)) is not None:
+            fail("num_kv_blocks", why)
 
     @property
     def tokens_per_step(self) -> int:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import re
-from pathlib import Path
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -12,12 +15,15 @@ from safetensors import SafetensorError, safe_open
 from replayserve.config import ModelConfig
 from replayserve.models.nemotron_h import NemotronHForCausalLM
 
+logger = logging.getLogger(__name__)
+
 # transformers' in-memory names use `model.`; checkpoints on disk use `backbone.`.
 _PREFIXES = (("model.", "backbone."),)
 # In-memory fused expert tensors (E, out, in), as transformers 5 holds them.
 _FUSED_EXPERTS = re.compile(r"(.*\.mixer\.experts)\.(up_proj|down_proj)$")
 # Multi-token-prediction layers: loaded when the config declares them, else skipped.
 _MTP = re.compile(r"^mtp\.")
+_LM_HEAD = "lm_head.weight"
 
 
 class CheckpointError(ValueError):
@@ -25,13 +31,21 @@ class CheckpointError(ValueError):
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files: the shards `model.safetensors.index.json` names, else every `*.safetensors`."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"{index} is malformed: {e}") from e
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        # Checked on the name, not the resolved path: hub caches link shards to blobs elsewhere.
+        outside = [n for n in names if not isinstance(n, str) or PurePosixPath(n).is_absolute()
+                   or ".." in PurePosixPath(n).parts or "\\" in n]
+        if outside:
+            raise CheckpointError(f"{index} names shards outside the model directory: {outside}; "
+                                  "shards must be file names relative to it")
+        files = [model_dir / name for name in names]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"{index} names shards that do not exist: {missing}")
@@ -49,32 +63,62 @@ def _canonical_name(name: str) -> str:
     return name
 
 
-def iter_checkpoint(model_dir: Path, with_mtp: bool = False):
-    """Yields (parameter name as this engine names it, tensor) for every stored tensor (`mtp.*`
-    only when `with_mtp`)."""
-    for path in checkpoint_files(model_dir):
+def iter_checkpoint(files: list[Path], with_mtp: bool = False) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    """Yields (file, parameter name as this engine names it, tensor) for every stored tensor
+    (`mtp.*` only when `with_mtp`). A name stored twice, in one spelling or the other, is an error:
+    which copy won would depend on file order."""
+    stored_in: dict[str, Path] = {}
+    for path in files:
         try:
             with safe_open(str(path), framework="pt") as f:
                 for raw_name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                     if not with_mtp and _MTP.match(raw_name):
                         continue
-                    name, tensor = _canonical_name(raw_name), f.get_tensor(raw_name)
+                    name = _canonical_name(raw_name)
+                    if name in stored_in:
+                        raise CheckpointError(f"tensor {name} is stored twice, in {stored_in[name]} and {path}; "
+                                              "a checkpoint holds each tensor once")
+                    stored_in[name] = path
+                    tensor = f.get_tensor(raw_name)
                     fused = _FUSED_EXPERTS.match(name)
                     if fused:
                         for e, expert in enumerate(tensor):
-                            yield f"{fused.group(1)}.{e}.{fused.group(2)}.weight", expert
+                            yield path, f"{fused.group(1)}.{e}.{fused.group(2)}.weight", expert
                     else:
-                        yield name, tensor
+                        yield path, name, tensor
         except SafetensorError as e:
             raise CheckpointError(f"{path} is not a valid safetensors file: {e}") from e
 
 
+def _file_holding(files: list[Path], name: str) -> Path | None:
+    """The file that stores tensor `name` (reads headers only), or None."""
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                if name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    return path
+        except SafetensorError as e:
+            raise CheckpointError(f"{path} is not a valid safetensors file: {e}") from e
+    return None
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> NemotronHForCausalLM:
-    """Builds the model from `config.json` and fills every parameter from the checkpoint."""
+    """Builds the model from `config.json` and fills every parameter from the checkpoint.
+
+    With `tie_word_embeddings: true` the embedding matrix is the LM head, unless the checkpoint
+    stores its own `lm_head.weight`: then that one is used (with a warning naming its file), as
+    transformers 5.24 does, whose Nemotron-H never ties. Every tensor must be finite once cast to
+    `dtype`: a NaN or Inf (or a value `dtype` cannot hold) is an error naming the tensor.
+    """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
     cfg = ModelConfig.from_dir(model_dir)
+    files = checkpoint_files(model_dir)
+    if cfg.tie_word_embeddings and (head_file := _file_holding(files, _LM_HEAD)) is not None:
+        logger.warning("%s stores %s although config.json sets tie_word_embeddings: true; using the stored "
+                       "%s instead of the embedding matrix, as transformers does", head_file, _LM_HEAD, _LM_HEAD)
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     with torch.device("meta"):
         model = NemotronHForCausalLM(cfg)
     model.to_empty(device=device)
@@ -83,12 +127,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
         model.lm_head.weight = model.backbone.embeddings.weight
     expected = dict(model.state_dict(keep_vars=True))
     if cfg.tie_word_embeddings:
-        expected.pop("lm_head.weight")
+        expected.pop(_LM_HEAD)
     seen: set[str] = set()
     unexpected = []
-    for name, tensor in iter_checkpoint(model_dir, with_mtp=cfg.num_nextn_predict_layers > 0):
-        if cfg.tie_word_embeddings and name == "lm_head.weight":
-            continue  # tied: the embedding matrix is the output projection
+    for path, name, tensor in iter_checkpoint(files, with_mtp=cfg.num_nextn_predict_layers > 0):
         target = expected.get(name)
         if target is None:
             unexpected.append(name)
@@ -99,6 +141,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
             )
         with torch.no_grad():
             target.copy_(tensor)
+        if not torch.isfinite(target).all():
+            why = "holds NaN or Inf values" if not torch.isfinite(tensor).all() else f"overflows {target.dtype}"
+            raise CheckpointError(f"checkpoint tensor {name} in {path} {why}")
         seen.add(name)
     if unexpected:
         raise CheckpointError(f"checkpoint has tensors this model does not use: {sorted(unexpected)[:8]}")

@@ -213,13 +213,17 @@ def _to_legacy_config(model_dir: Path) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def make_hf_checkpoint(out_dir: str | Path, name: str, seed: int = 0) -> Path:
-    """Build, perturb and save the tiny random checkpoint ``name`` (float32) into ``out_dir``."""
+def make_hf_checkpoint(out_dir: str | Path, name: str, seed: int = 0, own_lm_head: bool = False) -> Path:
+    """Build, perturb and save the tiny random checkpoint ``name`` (float32) into ``out_dir``.
+
+    ``own_lm_head``: a tied config ("tied") whose checkpoint still stores its own lm_head.weight,
+    different from the embedding matrix.
+    """
     out_dir = Path(out_dir)
     torch.manual_seed(seed)
     model = NemotronHForCausalLM(NemotronHConfig(**HF_CONFIGS[name])).eval()
     _perturb(model)
-    tied = bool(model.config.tie_word_embeddings)
+    tied = bool(model.config.tie_word_embeddings) and not own_lm_head
     if tied:
         # transformers 5.24's NemotronH never ties (empty _tied_weights_keys); emulate a tied checkpoint.
         with torch.no_grad():

@@ -7,6 +7,9 @@ with HF ``generate``. Run with ``pytest -s`` to see the observed maximum differe
 
 from __future__ import annotations
 
+import json
+import logging
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -284,3 +287,96 @@ def test_checkpoint_layouts(checkpoint: Callable[[str], Path]) -> None:
     cfg = (legacy / "config.json").read_text()
     assert '"hybrid_override_pattern": "M-M*-ME"' in cfg and "layers_block_type" not in cfg
     assert load_hf_model(str(legacy), torch.float32).config.layers_block_type[-1] == "moe"
+
+
+# --- Config edge cases against transformers -------------------------------------------------------
+
+# Max |logprob difference| from transformers over a prompt's last-position top-k. Our bf16 path
+# rounds at other points than transformers' (inside the SSD scan first), so the two agree only to a
+# few bf16 roundings of logits of size ~5 (observed 0.16 on dense_g1; bf16 vs float32 is 0.24).
+LAST_TOL = {"float32": F32_TOL, "bfloat16": 0.3}
+TOP_K = 5
+
+
+def _last_logprobs(model_dir: Path, dtype: str, prompts: list[list[int]]) -> list[dict[int, float]]:
+    """Our engine's top-TOP_K logprobs of the token after each prompt (prefill only)."""
+    from replayserve import LLM, SamplingParams
+
+    llm = LLM(model=str(model_dir), dtype=dtype, device="cpu", max_num_seqs=len(prompts),
+              max_num_batched_tokens=1024, block_size=BLOCK_SIZE)
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=TOP_K)
+    return [out.logprobs[0] for out in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                    use_tqdm=False)]
+
+
+def _hf_last(model_dir: Path, dtype: str, prompt: list[int]) -> torch.Tensor:
+    return hf_teacher_forced_logprobs(model_dir, prompt, dtype)[-1]
+
+
+def _max_diff(ours: list[dict[int, float]], ref: list[torch.Tensor]) -> float:
+    return max(abs(v - row[t].item()) for lp, row in zip(ours, ref, strict=True) for t, v in lp.items())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_residual_in_fp32_is_not_applied_as_in_transformers(
+    dtype: str, checkpoint: Callable[[str], Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """transformers 5.24's NemotronH declares residual_in_fp32 but its blocks never read it (the
+    residual stays in the model dtype); so does our engine. A float32 residual would move bf16
+    logits here well past bit equality, so the equalities below would catch either side applying it."""
+    name = "dense_g1"
+    plain = checkpoint(name)
+    flagged = tmp_path / "residual_in_fp32"
+    shutil.copytree(plain, flagged)
+    cfg = json.loads((flagged / "config.json").read_text())
+    assert cfg["residual_in_fp32"] is False  # transformers' default, as saved
+    (flagged / "config.json").write_text(json.dumps({**cfg, "residual_in_fp32": True}))
+    prompts = _prompts(name, lens=(20, 27, 33, 41, 48))
+
+    hf_plain = [_hf_last(plain, dtype, p) for p in prompts]
+    assert all(torch.equal(a, _hf_last(flagged, dtype, p)) for a, p in zip(hf_plain, prompts, strict=True))
+    if dtype == "bfloat16":
+        fp32_residual = [_hf_fp32_residual_last(plain, p) for p in prompts]
+        assert max((a - b).abs().max().item() for a, b in zip(hf_plain, fp32_residual, strict=True)) > 1e-2
+
+    ours = _last_logprobs(plain, dtype, prompts)
+    with caplog.at_level(logging.WARNING, logger="replayserve.config"):
+        assert _last_logprobs(flagged, dtype, prompts) == ours
+    assert any("residual_in_fp32: true, which is not applied" in r.getMessage() for r in caplog.records)
+    diff = _max_diff(ours, hf_plain)
+    print(f"\n[{name}] {dtype}: max |dlogprob| vs HF at the last position, top-{TOP_K}: {diff:.2e}")
+    assert diff <= LAST_TOL[dtype]
+
+
+def _hf_fp32_residual_last(model_dir: Path, prompt: list[int]) -> torch.Tensor:
+    """transformers' bf16 forward with the residual stream held in float32, as NVIDIA's remote code
+    does for residual_in_fp32: each block adds its bf16 mixer output to a float32 residual."""
+    model = load_hf_model(str(model_dir), torch.bfloat16)
+    hooks = [layer.register_forward_pre_hook(lambda _m, args: (args[0].float(), *args[1:]))
+             for layer in model.model.layers]
+    hooks.append(model.lm_head.register_forward_pre_hook(lambda m, args: (args[0].to(m.weight.dtype),)))
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt]), use_cache=False).logits[0, -1]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return torch.log_softmax(logits.to(torch.float64), dim=-1)
+
+
+def test_tied_config_with_stored_lm_head_uses_it(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """tie_word_embeddings: true, but the checkpoint stores its own, different lm_head.weight:
+    transformers uses the stored matrix, and so do we, with a warning naming the file and the key."""
+    model_dir = make_hf_checkpoint(tmp_path / "tied_own_head", "tied", own_lm_head=True)
+    stored = load_file(model_dir / "model.safetensors")
+    assert json.loads((model_dir / "config.json").read_text())["tie_word_embeddings"] is True
+    assert not torch.allclose(stored["lm_head.weight"], stored["backbone.embeddings.weight"])
+    assert torch.equal(load_hf_model(str(model_dir), torch.float32).lm_head.weight, stored["lm_head.weight"])
+
+    prompts = _prompts("tied", seed=4)
+    with caplog.at_level(logging.WARNING, logger="replayserve.models.loader"):
+        outs = _engine_generate(model_dir, "float32", prompts)
+    warned = [r.getMessage() for r in caplog.records if r.name == "replayserve.models.loader"]
+    assert any(str(model_dir / "model.safetensors") in m and "lm_head.weight" in m for m in warned), warned
+    max_diff, _ = _check_teacher_forced(model_dir, prompts, outs, torch.float32, F32_TOL)
+    print(f"\n[tied, own lm_head] float32: max |dlogprob| = {max_diff:.2e}")

@@ -1,0 +1,78 @@
+"""What the KV cache and the Mamba state slots cost, checked against free memory when the engine
+config is built, before any pool or tensor is sized by it: an oversized `num_kv_blocks` must be
+an error, not an allocation the OS kills."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from replayserve.config import EngineConfig
+from replayserve.ssm.layout import MambaLayout
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def cache_bytes(config: EngineConfig, dtype: torch.dtype) -> tuple[int, int]:
+    """(KV cache bytes, Mamba state bytes) that the runner allocates for `config` in `dtype`."""
+    m = config.model
+    kv_shape = (config.resolved_num_kv_blocks, config.block_size, m.num_key_value_heads, m.head_dim)
+    kv = 2 * m.num_attention_layers * _nbytes(kv_shape, dtype)
+    replay = config.ssm_backend == "replay"
+    layout = MambaLayout.from_config(m, config.max_num_seqs + config.resolved_num_mamba_cache_slots, dtype,
+                                     window=config.replay_window if replay else 0,
+                                     tokens_per_step=config.tokens_per_step)
+    act, state = layout.act_dtype, layout.state_dtype
+    per_layer = _nbytes(layout.conv_state_shape, act) + _nbytes(layout.ssm_state_shape, state)
+    cursors = 0
+    if replay:  # rings of the recent x, dt and B; three cursors per slot shared by all layers
+        per_layer += (_nbytes(layout.x_ring_shape, act) + _nbytes(layout.dt_ring_shape, state)
+                      + _nbytes(layout.b_ring_shape, act))
+        cursors = _nbytes(layout.cursor_shape, torch.int32) * 2 + _nbytes(layout.cursor_shape, torch.bool)
+    elif layout.tokens_per_step > 1:  # the baseline keeps one state per verified position
+        per_layer += _nbytes(layout.ssm_state_shape, state) * layout.tokens_per_step
+    return kv, per_layer * layout.num_layers + cursors
+
+
+def _host_available_bytes() -> int:
+    """MemAvailable, capped by a cgroup v2 limit (containers); physical memory where neither is readable."""
+    available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    cgroup = Path("/sys/fs/cgroup")
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            available = min(available, int(limit) - int((cgroup / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Bytes that can still be allocated on `device`; None for CUDA where torch sees no GPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] if torch.cuda.is_available() else None
+    return _host_available_bytes()
+
+
+def cache_fit_error(config: EngineConfig) -> str | None:
+    """Why the KV cache and the Mamba states of `config` do not fit in free memory, or None."""
+    device = torch.device(config.device)
+    kv, mamba = cache_bytes(config, getattr(torch, config.dtype))
+    free = available_bytes(device)
+    if free is None or kv + mamba <= free:
+        return None
+    default = "" if config.num_kv_blocks else " (unset: max_num_seqs x the blocks of one max_model_len sequence)"
+    return (f"{config.resolved_num_kv_blocks}{default} KV blocks of {config.block_size} tokens need {kv:,} bytes "
+            f"and the Mamba state slots {mamba:,} more, {kv + mamba:,} bytes in all, but {device} has {free:,} "
+            "bytes available; lower num_kv_blocks (or max_num_seqs, max_model_len)")

@@ -1,0 +1,66 @@
+"""The KV cache and Mamba state bytes are known before allocation, and an engine config whose caches
+would not fit in free memory is refused with num_kv_blocks named."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from replayserve import LLM, cache_memory
+from replayserve.cache_memory import available_bytes, cache_bytes
+from replayserve.config import ConfigError, EngineConfig
+from replayserve.tiny import tiny_config
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 2}
+
+
+def _allocated(llm: LLM) -> tuple[int, int]:
+    runner = llm.engine.runner
+    kv = sum(t.numel() * t.element_size() for pair in runner.kv_caches for t in pair)
+    return kv, sum(t.numel() * t.element_size() for t in runner.ssm.state_tensors())
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"num_kv_blocks": 11},
+        {"speculative": SPEC},
+        {"ssm_backend": "replay", "replay_window": 8},
+        {"ssm_backend": "replay", "speculative": SPEC},
+        {"enable_prefix_caching": True, "mamba_cache_mode": "all", "num_mamba_cache_slots": 5},
+    ],
+)
+def test_cache_bytes_are_what_the_runner_allocates(tiny_model_dir: Path, kwargs: dict) -> None:
+    # bfloat16: the Mamba state (float32) and the activations' rings (bfloat16) differ in dtype.
+    llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", device="cpu", max_num_seqs=3, max_model_len=64,
+              block_size=8, **kwargs)
+    kv, mamba = _allocated(llm)
+    assert kv > 0 and mamba > 0
+    assert cache_bytes(llm.config, torch.bfloat16) == (kv, mamba)
+
+
+def test_oversized_kv_cache_is_refused_before_allocating(tiny_model_dir: Path) -> None:
+    """Before the fix the block pool alone (a deque of 10**9 ids) got the process killed."""
+    # 10**9 blocks of this model's one attention layer: 8 TB, more than any host has.
+    with pytest.raises(ConfigError, match=r"engine option num_kv_blocks: 1000000000 KV blocks .* bytes available"):
+        LLM(model=str(tiny_model_dir), dtype="float32", device="cpu", num_kv_blocks=10**9)
+
+
+def test_the_limit_is_the_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fits with exactly the bytes it needs, fails one byte short; an unset size names its source."""
+    kwargs = {"model": tiny_config(), "dtype": "float32", "device": "cpu", "max_num_seqs": 2, "max_model_len": 64}
+    needed = sum(cache_bytes(EngineConfig(**kwargs), torch.float32))
+    monkeypatch.setattr(cache_memory, "available_bytes", lambda device: needed)
+    EngineConfig(**kwargs)
+    monkeypatch.setattr(cache_memory, "available_bytes", lambda device: needed - 1)
+    with pytest.raises(ConfigError, match=rf"num_kv_blocks: 8 \(unset: max_num_seqs .* {needed:,} bytes in all"):
+        EngineConfig(**kwargs)
+
+
+def test_host_available_bytes_is_at_most_physical_memory() -> None:
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert 0 < available_bytes(torch.device("cpu")) <= physical
