@@ -21,10 +21,12 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 def cache_bytes(config: EngineConfig, dtype: torch.dtype) -> tuple[int, int]:
     """(KV cache bytes, Mamba state bytes) that the runner allocates for `config` in `dtype`."""
     m = config.model
-    kv_shape = (config.resolved_num_kv_blocks, config.block_size, m.num_key_value_heads, m.head_dim)
+    # One KV block and one state slot more than the pools hand out: the runner's pad block and pad
+    # slot of padded decode rows (the allocation test keeps this in step with the runner).
+    kv_shape = (config.resolved_num_kv_blocks + 1, config.block_size, m.num_key_value_heads, m.head_dim)
     kv = 2 * m.num_attention_layers * _nbytes(kv_shape, dtype)
     replay = config.ssm_backend == "replay"
-    layout = MambaLayout.from_config(m, config.max_num_seqs + config.resolved_num_mamba_cache_slots, dtype,
+    layout = MambaLayout.from_config(m, config.max_num_seqs + config.resolved_num_mamba_cache_slots + 1, dtype,
                                      window=config.replay_window if replay else 0,
                                      tokens_per_step=config.tokens_per_step)
     act, state = layout.act_dtype, layout.state_dtype
