@@ -31,6 +31,7 @@ import math
 import statistics
 import sys
 import time
+import traceback
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -180,7 +181,11 @@ def profile_steps(engine: Engine, steps: int, sync: Callable[[], None]) -> dict:
     calls = Counter(e.name for e in events if e.device_type == DeviceType.CPU and e.name.startswith("cu"))
     per_step = {k: v / steps for k, v in sorted(calls.items())}
     gpu_s = sum(e.time_range.elapsed_us() for e in kernels) / 1e6
-    return {"profiled_step_ms": 1e3 * wall / steps, "gpu_ms_per_step": 1e3 * gpu_s / steps, "gpu_busy": gpu_s / wall,
+    by_kernel: Counter = Counter()
+    for e in kernels:
+        by_kernel[e.name[:90]] += e.time_range.elapsed_us() / 1e3 / steps
+    return {"top_kernels_ms": dict(by_kernel.most_common(12)),
+            "profiled_step_ms": 1e3 * wall / steps, "gpu_ms_per_step": 1e3 * gpu_s / steps, "gpu_busy": gpu_s / wall,
             "kernels_per_step": len(kernels) / steps,
             "copy_ms_per_step": sum(e.time_range.elapsed_us() for e in copies) / 1e3 / steps,
             "d2h_copies_per_step": sum("DtoH" in e.name for e in copies) / steps,
@@ -378,6 +383,7 @@ def main(argv: list[str] | None = None) -> dict:
                 free_memory(device)
                 result["decode"].append({"backend": backend, "batch": batch, "skipped": "out of device memory"})
             except RuntimeError as e:  # a broken row must not lose the others
+                traceback.print_exc()
                 print(f"decode {backend} batch {batch} FAILED: {e}", file=sys.stderr)
                 result["decode"].append({"backend": backend, "batch": batch, "skipped": f"FAILED: {e}"})
             print(f"done decode {backend} batch {batch}", file=sys.stderr, flush=True)

@@ -33,6 +33,10 @@ def print_tables(result: dict) -> None:
               f"{fmt(g('graph_launches_per_step'), '.0f')} | {fmt(g('gb_per_step'), '.2f')} | "
               f"{fmt(g('roofline_bytes_tok_s'), '.0f')} / {fmt(g('roofline_tok_s'), '.0f')} | "
               f"{fmt(g('of_roofline_bytes'), '.0%')} / {fmt(g('of_roofline'), '.0%')} |")
+    for r in result["decode"]:
+        if r.get("top_kernels_ms"):
+            top = ", ".join(f"{name} {ms:.3f}" for name, ms in r["top_kernels_ms"].items())
+            print(f"top kernels, {r['backend']} batch {r['batch']} (ms/step): {top}")
     if result["prefill"]:
         print("\n| backend | prefill | tokens/s | MFU | TTFT ms | TTFT tokens/s | TTFT MFU |")
         print("|---|---|---:|---:|---:|---:|---:|")

@@ -174,6 +174,10 @@ class CacheManager:
         while self._step_refs:
             self._drop_step_ref(self._step_refs[-1])
 
+    def holds(self, request_id: str, num_tokens: int) -> bool:
+        """The request's blocks already cover ``num_tokens`` positions (most decode steps)."""
+        return num_tokens <= len(self.owned[request_id].table) * self.block_size
+
     def can_grow(self, request_id: str, num_tokens: int) -> bool:
         return self._new_blocks(len(self.owned[request_id].table), num_tokens) <= self.kv.num_free
 

@@ -44,6 +44,9 @@ class _Graph:
     hidden: torch.Tensor  # (bucket * W, D): the graph's outputs, rewritten by every replay
     logits: torch.Tensor  # (bucket * W, V)
     state: Any  # what the forward left on Python objects (see `DecodeGraphs.keep`)
+    # The context's own tensors (query_start_loc, positions) were allocated outside the graph's
+    # pool: the replays read their memory, so the graph keeps them alive.
+    context: StepContext
 
 
 class DecodeGraphs:
@@ -85,6 +88,7 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = None
         self._rows, self._width = 0, 1
+        self._loaded_tables: list[tuple[int, ...] | None] = [None] * n  # the host buffer's table of each row
         self._fill_pads(0, n, w)
         self._device.copy_(self._host)
 
@@ -126,6 +130,8 @@ class DecodeGraphs:
         self._host_view("num_tokens")[start:bucket] = width
         m = self.blocks_per_seq
         self._host_view("tables")[start * m : bucket * m] = self.pad_block
+        for i in range(start, bucket):  # those rows' tables are rewritten when a request takes them
+            self._loaded_tables[i] = None
 
     def _context(self, bucket: int, width: int) -> StepContext:
         m = self.blocks_per_seq
@@ -151,29 +157,44 @@ class DecodeGraphs:
         bucket = self.bucket(rows)
         assert bucket is not None
         bs, m, pad = self.block_size, self.blocks_per_seq, self.pad_block
-        ids, slots, tables = self._host_view("ids"), self._host_view("slots"), self._host_view("tables")
+        ids, slots = self._host_view("ids"), self._host_view("slots")
         seq_lens, state_slots, counts = (self._host_view(k) for k in ("seq_lens", "state_slots", "num_tokens"))
-        for i, seq in enumerate(plan.seqs):
-            n, start, table = len(seq.token_ids), seq.start_pos, seq.block_table
-            base = i * width
-            ids[base : base + n] = seq.token_ids
-            ids[base + n : base + width] = seq.token_ids[-1]
-            slots[base : base + n] = [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            slots[base + n : base + width] = pad * bs  # padded tokens' KV goes to the pad block
-            seq_lens[i], state_slots[i], counts[i] = start + width, seq.state_slot, n
-            tables[i * m : i * m + len(table)] = table
-            tables[i * m + len(table) : (i + 1) * m] = pad
+        seqs = plan.seqs
+        if width == 1:  # plain decode, the common step: whole columns at once
+            starts = [s.start_pos for s in seqs]
+            ids[:rows] = [s.token_ids[0] for s in seqs]
+            slots[:rows] = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, starts, strict=True)]
+            seq_lens[:rows] = starts
+            seq_lens[:rows] += 1
+            counts[:rows] = 1
+        else:
+            for i, seq in enumerate(seqs):
+                n, start, table = len(seq.token_ids), seq.start_pos, seq.block_table
+                base = i * width
+                ids[base : base + n] = seq.token_ids
+                ids[base + n : base + width] = seq.token_ids[-1]
+                slots[base : base + n] = [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+                slots[base + n : base + width] = pad * bs  # padded tokens' KV goes to the pad block
+                seq_lens[i], counts[i] = start + width, n
+        state_slots[:rows] = [s.state_slot for s in seqs]
+        # A row's table changes only when it gains a block (or the row holds another request):
+        # rows whose table is the one loaded last step are left as they are.
+        tables = self._host_view("tables").reshape(-1, m)
+        for i, seq in enumerate(seqs):
+            table = seq.block_table
+            if self._loaded_tables[i] != table:
+                tables[i, : len(table)] = table
+                tables[i, len(table) :] = pad
+                self._loaded_tables[i] = table
         self._fill_pads(rows, bucket, width)
         self._rows, self._width = rows, width
         self._copy(bucket, width)
         return bucket
 
     def _copy(self, bucket: int, width: int) -> None:
-        for name, length in (("ids", bucket * width), ("slots", bucket * width), ("seq_lens", bucket),
-                             ("state_slots", bucket), ("num_tokens", bucket),
-                             ("tables", bucket * self.blocks_per_seq)):
-            start = self._offsets[name]
-            self._device[start : start + length].copy_(self._host[start : start + length], non_blocking=True)
+        # The spans lie in order with the tables last: one copy up to the bucket's last table row.
+        end = self._offsets["tables"] + bucket * self.blocks_per_seq
+        self._device[:end].copy_(self._host[:end], non_blocking=True)
         self._num_tokens32[:bucket].copy_(self._view("num_tokens", bucket))
 
     def run(self, bucket: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,5 +232,5 @@ class DecodeGraphs:
             hidden, logits = self.forward(ids, ctx)
         self._pool = graph.pool()
         logger.debug("captured the decode graph of batch size %d, width %d", bucket, width)
-        self._graphs[(bucket, width)] = _Graph(graph, hidden, logits, self.keep())
+        self._graphs[(bucket, width)] = _Graph(graph, hidden, logits, self.keep(), ctx)
         return self._graphs[(bucket, width)]

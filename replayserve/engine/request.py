@@ -139,6 +139,16 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_range(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without concatenating the whole prompt and output (a decode
+        row reads one token a step; the concatenation would copy the whole context)."""
+        prompt = self.prompt_token_ids
+        if start >= len(prompt):
+            return self.output_token_ids[start - len(prompt) : end - len(prompt)]
+        if end <= len(prompt):
+            return prompt[start:end]
+        return prompt[start:] + self.output_token_ids[: end - len(prompt)]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

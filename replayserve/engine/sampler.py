@@ -193,6 +193,11 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
         One SampleResult per row. Reported log-probabilities are those of the model's distribution,
         before temperature and truncation.
     """
+    if histories is None and (drafts is None or not any(drafts)) and all(
+            p.greedy and p.logprobs is None for p in params):
+        # The common decode step: argmax per row and one transfer, without building the batch's
+        # parameter columns (their Python loop is most of a large batch's sampling time).
+        return [SampleResult((token,), None) for token in logits.argmax(dim=-1).tolist()]
     drafts = [()] * len(params) if drafts is None else drafts
     dtype = compute_dtype(logits.dtype)
     batch = SamplingBatch.build(params, generators, drafts, logits.shape[-1], dtype, logits.device)

@@ -163,6 +163,8 @@ class Scheduler:
     def _reserve(self, request: Request, n: int, preempted: list[str]) -> bool:
         """Allocates blocks for n more tokens, preempting the newest running requests if needed."""
         total = request.num_computed_tokens + n
+        if self.cache.holds(request.request_id, total):
+            return True
         while not self.cache.can_grow(request.request_id, total):
             victim = self.running[-1]
             self._preempt(victim)
@@ -184,7 +186,7 @@ class Scheduler:
                                                       also=() if every else self._keep_points(request)))
         return ScheduledSeq(
             request_id=request.request_id,
-            token_ids=tuple(request.all_token_ids[start : start + n - len(drafts)]) + drafts,
+            token_ids=tuple(request.token_range(start, start + n - len(drafts))) + drafts,
             start_pos=start,
             block_table=tuple(self.cache.table(request.request_id)),
             state_slot=request.state_slot,

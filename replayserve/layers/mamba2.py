@@ -34,13 +34,22 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(inner, cfg.hidden_size, bias=cfg.use_bias)
 
     def params(self) -> MambaParams:
+        """The state update's view of the weights. A = -exp(A_log) and the casts are computed once
+        and kept until a weight changes (a new tensor or an in-place write bumps its version): per
+        step they would be a few kernels in every Mamba layer."""
         cdt = compute_dtype(self.in_proj.weight.dtype)
+        key = (cdt,) + tuple((id(t), t._version, t.data_ptr()) for t in (self.A_log, self.D, self.dt_bias))
+        if getattr(self, "_derived_key", None) != key:
+            with torch.no_grad():
+                self._derived = (-torch.exp(self.A_log.to(cdt)), self.D.to(cdt), self.dt_bias.to(cdt))
+            self._derived_key = key
+        a, d, dt_bias = self._derived
         return MambaParams(
             conv_weight=self.conv1d.weight.squeeze(1),
             conv_bias=self.conv1d.bias,
-            A=-torch.exp(self.A_log.to(cdt)),
-            D=self.D.to(cdt),
-            dt_bias=self.dt_bias.to(cdt),
+            A=a,
+            D=d,
+            dt_bias=dt_bias,
             dt_limit=self.dt_limit,
             chunk_size=self.chunk_size,
         )
@@ -57,7 +66,11 @@ class Mamba2Mixer(nn.Module):
                                     ctx.decode_num_tokens, params)
             y = y_rows.reshape(nt, self.num_heads, self.head_dim)
         elif nt == nd and nd:  # plain decode: one token per row
-            y[:nd] = backend.decode(self.mamba_index, ctx.state_slots[:nd], xbc[:nd], dt[:nd], params)
+            y_dec = backend.decode(self.mamba_index, ctx.state_slots[:nd], xbc[:nd], dt[:nd], params)
+            if nd == hidden.shape[0]:  # a decode-only step: no copy into y
+                y = y_dec
+            else:
+                y[:nd] = y_dec
         elif nd:  # speculative verify: rows of 1 + drafts tokens, padded to the longest
             index, lens = _padded_index(ctx.decode_lens, hidden.device)
             y_rows = backend.verify(self.mamba_index, ctx.state_slots[:nd], xbc[index], dt[index], lens, params)

@@ -6,6 +6,8 @@ import torch
 from torch import nn
 
 from replayserve.config import ModelConfig
+from replayserve.ops.activation import relu_square_ref
+from replayserve.ops.dtypes import triton_ok
 
 
 class MLP(nn.Module):
@@ -15,7 +17,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(torch.relu(self.up_proj(x)).square())
+        h = self.up_proj(x)
+        if triton_ok(h) and h.is_contiguous():  # one kernel, in place
+            from replayserve.ops.activation_triton import relu_square_triton_
+
+            return self.down_proj(relu_square_triton_(h))
+        return self.down_proj(relu_square_ref(h))
 
 
 class TopkRouter(nn.Module):

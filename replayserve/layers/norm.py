@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from replayserve.ops.dtypes import triton_ok
-from replayserve.ops.norm import gated_rms_norm_ref, rms_norm_ref
+from replayserve.ops.norm import add_rms_norm_ref, gated_rms_norm_ref, rms_norm_ref
 
 
 class RMSNorm(nn.Module):
@@ -21,6 +21,15 @@ class RMSNorm(nn.Module):
 
             return rms_norm_triton(x, self.weight, self.eps)
         return rms_norm_ref(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add and the next pre-norm in one pass,
+        exactly what `residual = x + residual; norm(residual)` gives."""
+        if triton_ok(x):  # one kernel instead of an add and a norm
+            from replayserve.ops.norm_triton import add_rms_norm_triton
+
+            return add_rms_norm_triton(x, residual, self.weight, self.eps)
+        return add_rms_norm_ref(x, residual, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):

@@ -79,17 +79,23 @@ class NemotronHForCausalLM(nn.Module):
 
         kv_caches holds one (K, V) pair per attention layer; `ssm` owns every Mamba layer's state.
         """
-        hidden = self.backbone.embeddings(input_ids)
+        residual = self.backbone.embeddings(input_ids)
+        out = None
         for block in self.backbone.layers:
-            normed = block.norm(hidden)
+            # The previous block's residual add is fused with this block's pre-norm.
+            if out is None:
+                normed = block.norm(residual)
+            else:
+                normed, residual = block.norm.add_forward(out, residual)
             if block.block_type == MAMBA:
                 out = block.mixer(normed, ctx, ssm)
             elif block.block_type == ATTENTION:
                 out = block.mixer(normed, ctx, kv_caches[block.index])
             else:
                 out = block.mixer(normed)
-            hidden = hidden + out
-        return self.backbone.norm_f(hidden)
+        if out is None:
+            return self.backbone.norm_f(residual)
+        return self.backbone.norm_f.add_forward(out, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(S, hidden_size) -> (S, vocab) in the compute dtype."""

@@ -76,11 +76,15 @@ def test_triton_decode_attention_equals_dense_on_the_graph_buffers(width: int) -
                           for r in range(rows) for p in range(starts[r], starts[r] + width)])
     k, v = (torch.randn(rows * width, HKV, DH, generator=gen) for _ in range(2))
     q = torch.randn(rows * width, HQ, DH, generator=gen)
-    write_kv_cache_triton(k, v, caches[0], caches[1], slots)
     write_kv_cache_dense(k, v, dense[0], dense[1], slots)
-    real = (rows - 1) * width
-    torch.testing.assert_close(caches[0][:pad], dense[0][:pad])
-    got = paged_decode_attention_triton(q, caches[0], caches[1], tables, torch.arange(rows + 1) * width, seq_lens, 0.3,
-                                        max_query_len=width)
     want = decode_attention_dense(q, dense[0], dense[1], tables, seq_lens, 0.3)
-    torch.testing.assert_close(got[:real], want[:real], rtol=1e-4, atol=1e-4)
+    # On CUDA when there is one, else in the interpreter (tests/ops/conftest.py).
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    caches = [c.to(dev) for c in caches]
+    write_kv_cache_triton(k.to(dev), v.to(dev), caches[0], caches[1], slots.to(dev))
+    real = (rows - 1) * width
+    torch.testing.assert_close(caches[0][:pad].cpu(), dense[0][:pad])
+    got = paged_decode_attention_triton(q.to(dev), caches[0], caches[1], tables.to(dev),
+                                        (torch.arange(rows + 1) * width).to(dev), seq_lens.to(dev), 0.3,
+                                        max_query_len=width)
+    torch.testing.assert_close(got[:real].cpu(), want[:real], rtol=1e-4, atol=1e-4)
