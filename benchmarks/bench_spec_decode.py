@@ -5,9 +5,10 @@ greedy continuation, each position corrupted with probability 1 - acceptance).
 
 The model is a random-weight one of a named shape built in memory (`shapes.random_model`, so the
 Nemotron-H-8B shape needs no checkpoint), driven through `Engine.step()` with CUDA graphs where
-the device has them. Throughput is the tokens generated after every request has its first one over
-that decode phase's wall time (after a warm-up of the same shape; prefill is not counted); every configuration must produce the greedy tokens
-of no-spec (the last column: the share of rows whose tokens equal no-spec's; a float tie can flip one).
+the device has them, with `confident_` weights. Throughput is the tokens generated after every
+request has its first one over that decode phase's wall time (after a warm-up of the same shape;
+prefill is not counted). Every configuration must produce the greedy tokens of no-spec (the last
+column: the share of rows whose tokens equal no-spec's; a float tie can flip one).
 
     python benchmarks/bench_spec_decode.py [--device cuda] [--size nemotron-h-8b] [--batch 1 8 32] [--k 3]
 """
