@@ -13,7 +13,7 @@ A prefix hit of ``p`` tokens needs every KV block of ``[0, p)`` and a boundary s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from replayserve.cache.block_pool import IdPool
 from replayserve.cache.hashing import BlockHash, BlockKey, block_keys
@@ -67,9 +67,10 @@ class CacheMetrics:
 @dataclass
 class _Owned:
     """One request's holdings: its block table and how many leading blocks are known to be
-    published (hit blocks count)."""
+    published (hit blocks count). The table is a tuple, replaced when it grows: every step hands
+    it to the plan as it is, with no copy."""
 
-    table: list[int] = field(default_factory=list)
+    table: tuple[int, ...] = ()
     published: int = 0
 
 
@@ -149,8 +150,8 @@ class CacheManager:
         ``num_tokens`` positions and returns the request's new live slot."""
         owned = _Owned(published=len(hit.kv_blocks))
         self.kv.acquire(hit.kv_blocks)
-        owned.table = list(hit.kv_blocks)
-        owned.table += self.kv.allocate(self._new_blocks(len(owned.table), num_tokens))
+        owned.table = tuple(hit.kv_blocks)
+        owned.table += tuple(self.kv.allocate(self._new_blocks(len(owned.table), num_tokens)))
         if hit.state_slot is not None:
             assert self.states is not None
             self.states.acquire([hit.state_slot])
@@ -183,9 +184,9 @@ class CacheManager:
 
     def grow(self, request_id: str, num_tokens: int) -> None:
         owned = self.owned[request_id]
-        owned.table += self.kv.allocate(self._new_blocks(len(owned.table), num_tokens))
+        owned.table += tuple(self.kv.allocate(self._new_blocks(len(owned.table), num_tokens)))
 
-    def table(self, request_id: str) -> list[int]:
+    def table(self, request_id: str) -> tuple[int, ...]:
         return self.owned[request_id].table
 
     def free(self, request: Request) -> None:

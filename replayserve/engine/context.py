@@ -30,6 +30,8 @@ class StepContext:
         layers then take their fixed-shape paths, which a CUDA graph can capture; 0 otherwise.
     decode_num_tokens: with uniform_decode, (S,) int32 real tokens of each row (<= W; the rest
         are padding whose outputs are dropped).
+    row_slots: with uniform_decode, (S,) int64 each row's state slot, -1 on padded rows: what
+        once-per-step state updates (ReplaySSM's cursors) take, so that they skip the padding.
     """
 
     positions: torch.Tensor
@@ -45,6 +47,7 @@ class StepContext:
     prefill_starts: tuple[int, ...] = ()
     uniform_decode: int = 0
     decode_num_tokens: torch.Tensor | None = None
+    row_slots: torch.Tensor | None = None
 
     @property
     def decode_lens(self) -> tuple[int, ...]:

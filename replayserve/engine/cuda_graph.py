@@ -7,8 +7,9 @@ padded to the smallest capture bucket that holds its rows, and every row to the 
 a pad Mamba state slot that no request owns, so whatever they compute lands where nothing reads
 it; each row's real token count travels with it. The step's inputs are written into one pinned
 host buffer and reach the device in one non-blocking copy; the graph of (bucket, W) then replays
-the model forward and the logits of every token. What happens before the forward (slot resets
-and copies, ReplaySSM's `begin_step`) and after it (sampling, `end_step`, publishing) stays
+the forward the runner gives it: the SSM backend's `begin_step`, the model and the logits of
+every token, and for plain decode (W = 1, every row keeps its one token) the `end_step`. Slot
+resets and copies before it, and sampling, a verify's `end_step` and publishing after it, stay
 eager in the runner.
 """
 
@@ -71,10 +72,10 @@ class DecodeGraphs:
         self.pad_block, self.pad_slot = pad_block, pad_slot
         n, w, m = max_num_seqs, max_width, blocks_per_seq
         # One int64 buffer holds every input, so a step is one host-to-device copy: per token
-        # the input id and KV slot, per row the context length, state slot, real token count
-        # and block table.
-        self._spans = {"ids": n * w, "slots": n * w, "seq_lens": n, "state_slots": n, "num_tokens": n,
-                       "tables": n * m}
+        # the input id and KV slot, per row the context length, state slot (the pad slot on
+        # padded rows), row slot (-1 on padded rows), real token count and block table.
+        self._spans = {"ids": n * w, "slots": n * w, "seq_lens": n, "state_slots": n, "row_slots": n,
+                       "num_tokens": n, "tables": n * m}
         size = sum(self._spans.values())
         self._host = torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda")
         self._host_np = self._host.numpy()  # the same memory: numpy writes scalars without a torch op each
@@ -127,6 +128,7 @@ class DecodeGraphs:
         slots[start * width : bucket * width] = self.pad_block * self.block_size
         self._host_view("seq_lens")[start:bucket] = width
         self._host_view("state_slots")[start:bucket] = self.pad_slot
+        self._host_view("row_slots")[start:bucket] = -1
         self._host_view("num_tokens")[start:bucket] = width
         m = self.blocks_per_seq
         self._host_view("tables")[start * m : bucket * m] = self.pad_block
@@ -143,13 +145,12 @@ class DecodeGraphs:
             seq_lens=seq_lens, block_tables=self._view("tables", bucket * m).view(bucket, m),
             state_slots=self._view("state_slots", bucket), num_decodes=bucket, query_lens=(width,) * bucket,
             state_slot_list=(self.pad_slot,) * bucket, uniform_decode=width,
-            decode_num_tokens=self._num_tokens32[:bucket],
+            decode_num_tokens=self._num_tokens32[:bucket], row_slots=self._view("row_slots", bucket),
         )
 
     def load(self, plan: StepPlan, width: int) -> int:
         """Writes the plan's rows (each padded to `width` tokens, the rows to their bucket) into
-        the device buffers with one non-blocking copy; returns the bucket. Call before the SSM
-        backend's begin_step.
+        the device buffers with one non-blocking copy; returns the bucket.
 
         The pinned buffer is rewritten only here, after the previous step's sampled tokens
         reached the host, which waited for that step's copy to finish."""
@@ -177,6 +178,7 @@ class DecodeGraphs:
                 slots[base + n : base + width] = pad * bs  # padded tokens' KV goes to the pad block
                 seq_lens[i], counts[i] = start + width, n
         state_slots[:rows] = [s.state_slot for s in seqs]
+        self._host_view("row_slots")[:rows] = state_slots[:rows]
         # A row's table changes only when it gains a block (or the row holds another request):
         # rows whose table is the one loaded last step are left as they are.
         tables = self._host_view("tables").reshape(-1, m)

@@ -115,8 +115,11 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan.seqs:
             raise RuntimeError("the scheduler planned an empty step with requests pending")
-        sampling = [self.scheduler.unfinished[s.request_id] for s in plan.seqs if s.sample]
-        generators = [self._generators.get(r.request_id) for r in sampling]
+        unfinished = self.scheduler.unfinished
+        sampling = [unfinished[s.request_id] for s in plan.seqs if s.sample]
+        # Most requests have no generator (greedy or unseeded): skip the lookup when none has.
+        generators = ([self._generators.get(r.request_id) for r in sampling] if self._generators
+                      else [None] * len(sampling))
         rewind = [(g, g.get_state()) for g in generators if g is not None]
         lengths = [(len(r.output_token_ids), len(r.output_logprobs)) for r in sampling]
         num_generated = self.num_generated_tokens
@@ -157,6 +160,12 @@ class Engine:
         """What a sampled result adds to a request, without changing it: the tokens it keeps (a
         verify's are cut after the first one that stops it), their logprobs, and why it stops
         (None: it goes on), with its final text."""
+        if len(result.tokens) == 1 and result.logprobs is None:  # the common decode row
+            new = [result.tokens[0]]
+            stop = self._stop(request, new)
+            if stop is not None and stop.text is None and self.tokenizer is not None:
+                stop = stop._replace(text=self.tokenizer.decode(request.output_token_ids + new))
+            return new, [], stop
         for i in range(len(result.tokens)):
             new = list(result.tokens[: i + 1])
             stop = self._stop(request, new)

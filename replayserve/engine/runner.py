@@ -76,9 +76,16 @@ class Runner:
         self.ssm._windows = dict(windows)
 
     def _forward(self, input_ids: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """The graphed part of a decode step: hidden states and logits of every row."""
+        """The graphed part of a decode step: the SSM backend's begin_step, hidden states and
+        logits of every row, and for plain decode (each row keeps its one token) the end_step.
+        Captured with them, ReplaySSM's cursor kernels cost no launch and no gap between graphs."""
+        assert ctx.row_slots is not None and ctx.decode_num_tokens is not None
+        self.ssm.begin_step(ctx.row_slots, ctx.decode_num_tokens)
         hidden = self.model(input_ids, ctx, self.kv_caches, self.ssm)
-        return hidden, self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        if ctx.uniform_decode == 1:
+            self.ssm.end_step(ctx.row_slots, ctx.decode_num_tokens)
+        return hidden, logits
 
     def build_context(self, plan: StepPlan) -> tuple[torch.Tensor, StepContext]:
         bs = self.config.block_size
@@ -128,13 +135,6 @@ class Runner:
         if plan.state_copies:
             src, dst = zip(*plan.state_copies, strict=True)
             self.ssm.copy_slots(self._ids(src), self._ids(dst))
-        # Logits at each sampling row's last token, and at every token of a verify row.
-        picks: list[range] = []
-        end = 0
-        for seq in plan.seqs:
-            end += len(seq.token_ids)
-            if seq.sample:
-                picks.append(range(end - 1 - seq.num_drafts, end))
         width = self.graphs.width(plan) if self.graphs is not None else None
         if width is not None:
             hidden, logits, decode_slots = self._forward_graphed(plan, width)
@@ -146,6 +146,11 @@ class Runner:
             hidden = self.model(input_ids, ctx, self.kv_caches, self.ssm)
             logits = None
         results: list[SampleResult] = []
+        if width == 1:  # a graphed plain decode step: row i samples at its one token, logits row i
+            results = sample(logits, params, generators, None, histories, self.config.model.eos_token_ids)
+            picks: list[range] = []
+        else:  # logits at each sampling row's last token, and at every token of a verify row
+            picks = self._picks(plan)
         if picks:
             rows = [i for r in picks for i in r]
             if logits is None:
@@ -156,11 +161,24 @@ class Runner:
         if self.hidden_store is not None:
             self._record_hidden(plan, hidden, results)
         if decode_slots.numel():
-            # After sampling, once for all Mamba layers: the tokens each decode row keeps.
+            # After sampling, once for all Mamba layers: the tokens each decode row keeps (a
+            # graphed plain decode step committed its one token in the graph).
             kept = [len(r.tokens) for r in results[: decode_slots.numel()]]
-            self.ssm.end_step(decode_slots, self._ids(kept, torch.int32))
+            if width != 1:
+                self.ssm.end_step(decode_slots, self._ids(kept, torch.int32))
             self._publish_decode_boundaries(plan, kept)
         return results
+
+    @staticmethod
+    def _picks(plan: StepPlan) -> list[range]:
+        """Token positions whose logits each sampling row samples from, in plan order."""
+        picks: list[range] = []
+        end = 0
+        for seq in plan.seqs:
+            end += len(seq.token_ids)
+            if seq.sample:
+                picks.append(range(end - 1 - seq.num_drafts, end))
+        return picks
 
     def _forward_graphed(self, plan: StepPlan, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A decode-only step through the CUDA graph of its bucket and width: hidden states
@@ -170,7 +188,6 @@ class Runner:
         rows = len(plan.seqs)
         bucket = self.graphs.load(plan, width)
         slots = self.graphs.state_slots[:rows]
-        self.ssm.begin_step(slots, self.graphs.num_tokens[:rows])
         hidden, logits = self.graphs.run(bucket, width)
         if width == 1:
             return hidden[:rows], logits[:rows], slots

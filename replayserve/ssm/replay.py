@@ -45,6 +45,8 @@ class ReplayBackend(SSMBackend):
         self.ring_start = torch.zeros(layout.cursor_shape, dtype=torch.int32, device=device)
         self.history = torch.zeros(layout.cursor_shape, dtype=torch.int32, device=device)
         self.is_flush = torch.zeros(layout.cursor_shape, dtype=torch.bool, device=device)
+        # A decode step's token counts (all 1), sliced per step: no fill kernel in every layer.
+        self._ones = torch.ones(layout.cursor_shape, dtype=torch.int32, device=device)
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [*self.conv_state, *self.ssm_state, *self.x_ring, *self.dt_ring, *self.b_ring,
@@ -87,7 +89,7 @@ class ReplayBackend(SSMBackend):
     ) -> torch.Tensor:
         xbc = self._conv_update(xbc, self.conv_state[layer], params.conv_weight, params.conv_bias, slots)
         x, b, c = self.layout.split_xbc(xbc)
-        ones = torch.ones_like(slots, dtype=torch.int32)
+        ones = self._ones[: slots.shape[0]]
         y = self._step(
             self.ssm_state[layer], self.x_ring[layer], self.dt_ring[layer], self.b_ring[layer],
             self.ring_start, self.history, self.is_flush, slots, ones,
