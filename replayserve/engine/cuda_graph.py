@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from replayserve.engine.context import StepContext
 from replayserve.engine.scheduler import StepPlan
+from replayserve.layers.step_context import StepContext
 
 logger = logging.getLogger(__name__)
 
@@ -182,9 +182,10 @@ class DecodeGraphs:
         # A row's table changes only when it gains a block (or the row holds another request):
         # rows whose table is the one loaded last step are left as they are.
         tables = self._host_view("tables").reshape(-1, m)
+        loaded = self._loaded_tables
         for i, seq in enumerate(seqs):
-            table = seq.block_table
-            if self._loaded_tables[i] != table:
+            table = seq.block_table  # the cache manager's tuple: the same object until the table grows
+            if loaded[i] is not table and loaded[i] != table:
                 tables[i, : len(table)] = table
                 tables[i, len(table) :] = pad
                 self._loaded_tables[i] = table

@@ -43,9 +43,10 @@ class Engine:
         )
         spec = config.speculative
         self.runner = Runner(config, model)
+        self.proposer = make_proposer(config, self.runner)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.cache,
-                                   config.mamba_cache_mode, make_proposer(config, self.runner),
-                                   spec.num_speculative_tokens if spec else 0, config.resolved_max_model_len)
+                                   config.mamba_cache_mode, spec.num_speculative_tokens if spec else 0,
+                                   config.resolved_max_model_len)
         self.spec_metrics = SpecMetrics()
         self._ids = itertools.count()
         self._generators: dict[str, torch.Generator] = {}
@@ -112,7 +113,7 @@ class Engine:
         forward, sampling, stop rules, publishing, an interrupt), the tokens it appended are taken
         back, seeded generators rewind, and its running requests are preempted (their states may
         be half-written; they recompute when readmitted) with every block and slot returned."""
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(self._propose())
         if not plan.seqs:
             raise RuntimeError("the scheduler planned an empty step with requests pending")
         unfinished = self.scheduler.unfinished
@@ -128,13 +129,16 @@ class Engine:
                          if any(uses_history(r.params) for r in sampling) else None)
             results = self.runner.execute(plan, [r.params for r in sampling], generators, histories)
             outcomes = [self._outcome(r, res) for r, res in zip(sampling, results, strict=True)]
-            for request, (tokens, logprobs, _) in zip(sampling, outcomes, strict=True):
+            emitted: dict[str, int] = {}
+            stopped: list[tuple[Request, Stop]] = []
+            for request, (tokens, logprobs, stop) in zip(sampling, outcomes, strict=True):
                 request.output_token_ids.extend(tokens)
                 request.output_logprobs.extend(logprobs)
                 self.num_generated_tokens += len(tokens)
-            emitted = {r.request_id: len(o[0]) for r, o in zip(sampling, outcomes, strict=True)}
+                emitted[request.request_id] = len(tokens)
+                if stop is not None:
+                    stopped.append((request, stop))
             self.scheduler.update(plan, emitted)
-            stopped = [(r, stop) for r, (_, _, stop) in zip(sampling, outcomes, strict=True) if stop is not None]
             for request, stop in stopped:
                 request.stop_reason = stop.cause
                 self._finish(request, stop.reason, stop.text)
@@ -147,7 +151,8 @@ class Engine:
             self.num_generated_tokens = num_generated
             self.scheduler.abandon(plan)
             raise
-        self.spec_metrics.record({s.request_id: s.num_drafts for s in plan.seqs if s.num_drafts}, emitted)
+        if self.proposer is not None:
+            self.spec_metrics.record({s.request_id: s.num_drafts for s in plan.seqs if s.num_drafts}, emitted)
         self.num_steps += 1
         self.num_prefill_tokens += sum(len(s.token_ids) for s in plan.seqs if not s.is_decode)
         if self.config.enable_prefix_caching and logger.isEnabledFor(logging.DEBUG):
@@ -155,6 +160,21 @@ class Engine:
             logger.debug("step %d: %d seqs, %d tokens; prefix cache %d/%d tokens hit", self.num_steps,
                          len(plan.seqs), plan.num_tokens, m.hits, m.queries)
         return [request for request, _ in stopped]
+
+    def _propose(self) -> dict[str, tuple[int, ...]]:
+        """Drafts for the running decode rows, proposed before the step is planned (a draft model
+        or MTP layer runs here, not in the scheduler). A row the plan then leaves out (out of
+        budget, preempted) drops its drafts; every proposer's drafts for k are a prefix of its
+        drafts for more, so the budget's cut gives what a smaller k would have."""
+        if self.proposer is None:
+            return {}
+        drafts = {}
+        for request in self.scheduler.running:
+            room = self.scheduler.draft_room(request)
+            if room:
+                proposed = self.proposer.propose_request(request.request_id, request.all_token_ids, room)
+                drafts[request.request_id] = tuple(proposed)[:room]
+        return drafts
 
     def _outcome(self, request: Request, result: SampleResult) -> tuple[list[int], list, Stop | None]:
         """What a sampled result adds to a request, without changing it: the tokens it keeps (a

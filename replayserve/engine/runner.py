@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from replayserve.config import EngineConfig
-from replayserve.engine.context import StepContext
 from replayserve.engine.cuda_graph import DecodeGraphs
 from replayserve.engine.request import SamplingParams
 from replayserve.engine.sampler import SampleResult, sample
@@ -16,6 +15,7 @@ from replayserve.engine.scheduler import StepPlan
 from replayserve.engine.transfer import to_device
 from replayserve.layers.mamba2 import Mamba2Mixer
 from replayserve.layers.mlp import MoE
+from replayserve.layers.step_context import StepContext
 from replayserve.models.nemotron_h import NemotronHForCausalLM
 from replayserve.ssm.backend import SSMBackend
 from replayserve.ssm.baseline import BaselineBackend

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -37,10 +38,10 @@ from replayserve.engine.transfer import to_device
 from replayserve.speculative.acceptance import accept_drafts
 
 
-@dataclass(frozen=True)
-class SampleResult:
+class SampleResult(NamedTuple):
     """The tokens one sequence emits this step: one, or for a speculative verify the accepted
-    drafts and the bonus token; with each token's log-probabilities when asked."""
+    drafts and the bonus token; with each token's log-probabilities when asked. (A named tuple:
+    a large batch builds hundreds per step, and a frozen dataclass is slow to construct.)"""
 
     tokens: tuple[int, ...]
     logprobs: tuple[dict[int, float], ...] | None  # per token: the sampled token's and the top-k

@@ -8,6 +8,7 @@ touches a tensor. Its output, a `StepPlan`, is plain data.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -15,7 +16,6 @@ from replayserve.cache.manager import BoundaryWrite, CacheManager
 from replayserve.config import MAMBA_CACHE_MODES
 from replayserve.engine.penalties import uses_history
 from replayserve.engine.request import Request, Status
-from replayserve.speculative.proposers import Proposer
 
 
 class ScheduledSeq(NamedTuple):
@@ -50,7 +50,7 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, cache: CacheManager,
-                 mamba_cache_mode: str = "none", proposer: Proposer | None = None, num_speculative_tokens: int = 0,
+                 mamba_cache_mode: str = "none", num_speculative_tokens: int = 0,
                  max_model_len: int | None = None) -> None:
         if mamba_cache_mode not in MAMBA_CACHE_MODES:
             raise ValueError(f"mamba_cache_mode {mamba_cache_mode!r} is not one of {MAMBA_CACHE_MODES}")
@@ -58,7 +58,6 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.cache = cache
         self.mamba_cache_mode = mamba_cache_mode
-        self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -73,12 +72,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> StepPlan:
-        """Plans the next step. If planning raises (a proposer's error, an interrupt), the requests
+    def schedule(self, drafts: Mapping[str, tuple[int, ...]] | None = None) -> StepPlan:
+        """Plans the next step. drafts: proposed tokens per decoding request (at most its
+        `draft_room`), proposed before planning: the scheduler never runs a model. A row takes
+        the ones the token budget leaves room for. If planning raises (an interrupt), the requests
         it admitted go back to the queue and the boundary slots it took are released."""
         admitted: list[Request] = []
         try:
-            return self._schedule(admitted)
+            return self._schedule(admitted, drafts or {})
         except BaseException:
             for request in reversed(admitted):  # appendleft in reverse keeps their order
                 if request.status is Status.RUNNING:
@@ -86,7 +87,7 @@ class Scheduler:
             self.cache.end_step()
             raise
 
-    def _schedule(self, admitted: list[Request]) -> StepPlan:
+    def _schedule(self, admitted: list[Request], proposed: Mapping[str, tuple[int, ...]]) -> StepPlan:
         budget = self.max_num_batched_tokens
         decodes: list[ScheduledSeq] = []
         prefills: list[ScheduledSeq] = []
@@ -95,7 +96,7 @@ class Scheduler:
             if request.status is not Status.RUNNING or budget == 0:
                 continue  # preempted as a victim earlier in this loop, or out of budget
             start = request.num_computed_tokens
-            drafts = self._drafts(request, budget) if request.decoding else ()
+            drafts = proposed.get(request.request_id, ())[: budget - 1] if request.decoding else ()
             n = 1 + len(drafts) if request.decoding else self._chunk(request, start, min(request.num_tokens - start,
                                                                                         budget))
             if n == 0 or not self._reserve(request, n, preempted):
@@ -129,18 +130,16 @@ class Scheduler:
             prefills.append(self._scheduled(request, n))
         return StepPlan(tuple(decodes + prefills), tuple(reset), tuple(preempted), tuple(copies))
 
-    def _drafts(self, request: Request, budget: int) -> tuple[int, ...]:
-        """Draft tokens for a decode row: at most k, the budget, and what max_tokens and
-        max_model_len leave room for (every kept token must still be a legal output)."""
-        if self.proposer is None or uses_history(request.params):  # penalties read one position per row
-            return ()
-        room = min(self.num_speculative_tokens, budget - 1,
-                   request.params.max_tokens - len(request.output_token_ids) - 1)
+    def draft_room(self, request: Request) -> int:
+        """How many drafts a running request may verify next step (0: none): at most k, and what
+        max_tokens and max_model_len leave room for (every kept token must still be a legal
+        output). Rows with penalties or min_tokens take none: those read one position per row."""
+        if not self.num_speculative_tokens or not request.decoding or uses_history(request.params):
+            return 0
+        room = min(self.num_speculative_tokens, request.params.max_tokens - len(request.output_token_ids) - 1)
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - request.num_tokens - 1)
-        if room <= 0:
-            return ()
-        return tuple(self.proposer.propose_request(request.request_id, request.all_token_ids, room))[:room]
+        return max(room, 0)
 
     def _chunk(self, request: Request, start: int, n: int) -> int:
         """Prefill tokens to run from ``start`` (at most n). In ``align`` mode a chunk ends on a
@@ -227,7 +226,8 @@ class Scheduler:
                 request.branch_point = None
             if seq.sample:
                 request.decoding = True
-            self.cache.publish(request, seq.boundary_writes)
+            if seq.boundary_writes or self.cache.enable_caching:
+                self.cache.publish(request, seq.boundary_writes)
         self.cache.end_step()
 
     def abandon(self, plan: StepPlan) -> None:

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from replayserve.config import ModelConfig
-from replayserve.engine.context import StepContext
+from replayserve.layers.step_context import StepContext
 from replayserve.ops.attention import (
     decode_attention_dense,
     paged_attention_ref,

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from replayserve.config import ModelConfig
-from replayserve.engine.context import StepContext
 from replayserve.layers.norm import GatedRMSNorm
+from replayserve.layers.step_context import StepContext
 from replayserve.ops.dtypes import compute_dtype
 from replayserve.ssm.backend import MambaParams, SSMBackend
 

@@ -7,11 +7,11 @@ from torch import nn
 
 from replayserve.config import ATTENTION, MAMBA, ModelConfig
 from replayserve.config import MLP as MLP_TYPE
-from replayserve.engine.context import StepContext
 from replayserve.layers.attention import Attention
 from replayserve.layers.mamba2 import Mamba2Mixer
 from replayserve.layers.mlp import MLP, MoE
 from replayserve.layers.norm import RMSNorm
+from replayserve.layers.step_context import StepContext
 from replayserve.models.nemotron_h_mtp import NemotronHMTP
 from replayserve.ops.dtypes import compute_dtype
 from replayserve.ssm.backend import SSMBackend

@@ -173,7 +173,7 @@ class FaultInjector:
         self.armed: tuple[str, type[BaseException]] | None = None
         self.fired = 0
         engine = llm.engine
-        self._wrap(engine.scheduler.proposer, "propose_request", "propose", after=False)
+        self._wrap(engine.proposer, "propose_request", "propose", after=False)
         self._wrap(engine.runner, "execute", "execute_before", after=False)
         self._wrap(engine.runner, "execute", "execute_after", after=True)
         self._wrap(engine.runner.ssm, "end_step", "ssm_end_step", after=True)

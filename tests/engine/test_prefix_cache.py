@@ -246,8 +246,8 @@ def test_a_step_that_raises_loses_nothing_and_serving_continues(tiny_model_dir: 
     real_forward, real_schedule, real_step = last.forward, engine.scheduler.schedule, engine.step
     armed = {"on": False}
 
-    def schedule():  # noqa: ANN202 - arm the failure for the first plans that copy and publish states
-        plan = real_schedule()
+    def schedule(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - arm the failure for the first plans that copy and publish states
+        plan = real_schedule(*args, **kwargs)
         armed["on"] = len(failures) < 3 and bool(plan.state_copies or any(s.boundary_writes for s in plan.seqs))
         return plan
 
