@@ -14,6 +14,9 @@ from replayserve.server.protocol import error_body
 _PARAM_IN_MESSAGE = re.compile(r"SamplingParams\.(\w+)")
 
 
+_TYPE_NAMES = {"str", "int", "float", "bool"}
+
+
 class ApiError(Exception):
     """An answer other than 200: status, message, the field at fault (None: the request as a
     whole), OpenAI's error type and code, and extra headers (Retry-After)."""
@@ -53,8 +56,9 @@ def validation_error(exc: RequestValidationError) -> ApiError:
         return ApiError(400, f"the body is not valid JSON: {first.get('msg', '')}", None)
     if kind == "missing" and not loc:
         return ApiError(400, "the body must be a JSON object", None)
-    # Unions report one error per member; their paths end in the member type: keep the field's path.
-    field = ".".join(part for part in loc if not part.startswith(("list[", "str", "int", "function-")))
+    # Unions report one error per member, with the member's type and list indices in the path:
+    # the field is the path of names alone.
+    field = ".".join(part for part in loc if part.isidentifier() and part not in _TYPE_NAMES)
     if kind == "extra_forbidden":
         return ApiError(400, f"unknown or unsupported field {field!r}", field or None)
     return ApiError(400, f"{field}: {first.get('msg', 'invalid value')} (got {first.get('input')!r:.80})",
