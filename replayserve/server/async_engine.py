@@ -140,6 +140,9 @@ class AsyncEngine:
         for ids in prompts:
             self.engine.validate(ids, params)
         count = len(prompts) * params.n
+        if count > self.capacity:
+            raise ValueError(f"SamplingParams.n: {len(prompts)} prompt(s) x n={params.n} is more completions than "
+                             f"the server ever admits at once ({self.capacity})")
         if self.num_in_flight + count > self.capacity:
             raise Overloaded(f"{self.num_in_flight} requests are in flight and this one adds {count}; the server "
                              f"admits {self.capacity} (max_num_seqs + max_waiting_requests)")
@@ -167,16 +170,14 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         while not self._stopping.is_set():
-            self._apply_commands(block=not engine.has_unfinished())
-            if not engine.has_unfinished():
-                continue
             try:
-                engine.step()
-            except Exception as e:  # the step changed nothing a request can see; its requests fail
+                self._apply_commands(block=not engine.has_unfinished())
+                if engine.has_unfinished():
+                    engine.step()
+                    self._publish()
+            except Exception as e:  # a failed step changed nothing a request can see; the requests fail
                 logger.exception("engine step failed; failing the %d requests in flight", len(self._active))
                 self._fail_all(EngineError(f"the engine failed: {type(e).__name__}: {e}"))
-                continue
-            self._publish()
 
     def _apply_commands(self, block: bool) -> None:
         try:

@@ -60,6 +60,11 @@ def test_a_full_server_answers_429_with_retry_after(small: RunningServer) -> Non
     assert ok.status_code == 200
 
 
+def test_more_completions_than_the_server_admits_is_a_400_not_a_429(small: RunningServer) -> None:
+    response = httpx.post(f"{small.base_url}/v1/completions", json={**LONG, "max_tokens": 2, "n": 3}, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "n"
+
+
 def test_a_client_that_hangs_up_on_a_whole_response_is_aborted(small: RunningServer) -> None:
     aborted = _aborted(small)
     with pytest.raises(httpx.ReadTimeout):

@@ -1,4 +1,4 @@
-"""`replayserve serve` as a process: SIGTERM in the middle of a load stops admitting, lets the
+"""`replayserve serve` as a process: SIGTERM (or SIGINT) in the middle of a load stops admitting, lets the
 requests in flight finish (none loses its end), and exits 0 within a few seconds."""
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def _num_running(base_url: str) -> float:
     return float(re.search(r'^replayserve_num_requests_running\{model_name="tiny"\} (\S+)$', text, re.M).group(1))
 
 
-def test_sigterm_mid_load_finishes_in_flight_requests_and_exits_0(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_mid_load_finishes_in_flight_requests_and_exits_0(tiny_model_dir: Path, sig: int) -> None:
     proc, base_url = _start(tiny_model_dir)
     try:
         with ThreadPoolExecutor(8) as pool:
@@ -68,7 +69,7 @@ def test_sigterm_mid_load_finishes_in_flight_requests_and_exits_0(tiny_model_dir
                 assert time.monotonic() < deadline, "the load never started"
                 time.sleep(0.02)
             signal_at = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(sig)
             results = [f.result() for f in futures]
         assert proc.wait(timeout=30) == 0
         assert time.monotonic() - signal_at < 15
