@@ -13,7 +13,7 @@ successive text chunks (a chunk can carry more than one token under speculative 
 ITL is per chunk); TPOT is (latency - TTFT) / (output tokens - 1). Throughput counts the tokens the
 server reports in `usage` over the time from the first send to the last response.
 
-    python benchmarks/bench_serve.py --base-url http://127.0.0.1:8000 --num-requests 200 --request-rate 8
+    python benchmarks/bench_serve.py --base-url http://127.0.0.1:8000 --num-requests 200 --request-rate 8  # needs httpx
     python benchmarks/bench_serve.py --concurrency 16 --input-len 256 --output-len 64 --prefix-len 128
 """
 

@@ -40,7 +40,7 @@ class RunningServer:
     def engine(self) -> AsyncEngine:
         return self.app.state.engine
 
-    def wait_idle(self, timeout: float = 10.0) -> None:
+    def wait_idle(self, timeout: float = 30.0) -> None:
         """Until no request is in flight, queued or running (two quiet polls in a row), so the
         engine may be inspected from this thread."""
         deadline, quiet = time.monotonic() + timeout, 0

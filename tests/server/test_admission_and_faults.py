@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,9 +68,8 @@ def test_a_client_that_hangs_up_on_a_whole_response_is_aborted(small: RunningSer
     aborted = _aborted(small)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{small.base_url}/v1/completions", json=LONG, timeout=0.5)
-    start = time.monotonic()
     small.assert_pools_full()
-    assert _aborted(small) == aborted + 1 and time.monotonic() - start < 5
+    assert _aborted(small) == aborted + 1, "aborted, not run to its 1000 tokens"
 
 
 def test_an_engine_fault_fails_the_requests_in_flight_and_the_server_goes_on(

@@ -19,7 +19,7 @@ import pytest
 
 from replayserve.cli import main
 
-MAX_TOKENS = 120
+MAX_TOKENS = 64
 
 
 def _start(model_dir: Path) -> tuple[subprocess.Popen, str]:
