@@ -11,6 +11,8 @@ from typing import Any
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from replayserve.tokenizer import Tokenizer
+
 # Used when the model directory has no chat template: each message as a role line and its
 # content, then the assistant's role line when a reply is to be generated.
 DEFAULT_CHAT_TEMPLATE = (
@@ -63,6 +65,12 @@ class ChatTemplate:
                                          **self.special_tokens)
         except TemplateError as e:
             raise ValueError(f"the chat template failed on these messages: {e}") from e
+
+    def prompt_ids(self, messages: Sequence[Message], tokenizer: Tokenizer, add_generation_prompt: bool = True
+                   ) -> list[int]:
+        """The token ids of a rendered conversation; the template writes any special tokens
+        itself (bos_token), so the tokenizer adds none."""
+        return tokenizer.encode(self.render(messages, add_generation_prompt), add_special_tokens=False)
 
 
 def check_messages(messages: Sequence[Message]) -> None:

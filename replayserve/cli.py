@@ -1,10 +1,11 @@
-"""`replayserve demo | generate | make-tiny`: every option has help, its default and its choices;
+"""`replayserve demo | generate | serve | make-tiny`: every option has help, its default and its choices;
 a user error prints one line (what is wrong, how to fix it) and exits 2; Ctrl-C one line, 130."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import sys
@@ -83,6 +84,10 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return {**{n: getattr(args, n) for n in names}, "speculative": speculative}
 
 
+def _add_model_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a Hugging Face model directory (config.json, safetensors)")
+
+
 def _model_dir(path: str) -> str:
     if not Path(path).is_dir():
         raise UserError(f"the model directory {path} does not exist")
@@ -129,6 +134,24 @@ def _generate(args: argparse.Namespace) -> None:
                 print(f"logprobs: {c.logprobs}")
 
 
+def _serve(args: argparse.Namespace) -> None:
+    try:
+        from replayserve.server import create_app, serve
+    except ImportError as e:
+        raise UserError(f"serve needs the server extra ({e.name} is missing): pip install 'replayserve[server]'") from e
+
+    if not 1 <= args.port <= 65535 and args.port != 0:
+        raise UserError(f"--port must be in [1, 65535] (or 0: any free port), got {args.port}")
+    if args.max_waiting_requests < 0:
+        raise UserError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from replayserve import LLM
+
+    llm = LLM(model=_model_dir(args.model), **engine_options(args))
+    app = create_app(llm, args.served_model_name or args.model, args.max_waiting_requests)
+    serve(app, args.host, args.port, args.shutdown_timeout)
+
+
 def _make_tiny(args: argparse.Namespace) -> None:
     from replayserve.tiny import make_tiny
 
@@ -152,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_options(demo)
 
     gen = sub.add_parser("generate", help="generate from a model directory")
-    gen.add_argument("--model", required=True, help="a Hugging Face model directory (config.json, safetensors)")
+    _add_model_option(gen)
     gen.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     s = gen.add_argument_group("sampling")
     s.add_argument("--max-tokens", type=int, default=64, help="(default %(default)s)")
@@ -167,6 +190,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     add_engine_options(gen)
 
+    srv = sub.add_parser("serve", help="serve a model directory over an OpenAI-compatible HTTP API")
+    _add_model_option(srv)
+    h = srv.add_argument_group("server")
+    h.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    h.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default %(default)s)")
+    h.add_argument("--served-model-name", help="the model name clients send and see (default: the --model path)")
+    h.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="requests (a prompt times n) queued beyond the running batch; more are answered 429 "
+                        "with Retry-After (default %(default)s)")
+    h.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM/SIGINT before they are "
+                        "aborted (default %(default)s)")
+    add_engine_options(srv)
+
     tiny = sub.add_parser("make-tiny", help="write a random tiny Nemotron-H in Hugging Face format")
     tiny.add_argument("dir", help="the directory to write")
     tiny.add_argument("--seed", type=int, default=0, help="weights seed (default %(default)s)")
@@ -180,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     from replayserve.models.loader import CheckpointError
 
     args = build_parser().parse_args(argv)
-    command = {"demo": _demo, "generate": _generate, "make-tiny": _make_tiny}[args.command]
+    command = {"demo": _demo, "generate": _generate, "serve": _serve, "make-tiny": _make_tiny}[args.command]
     try:
         command(args)
     except (UserError, ValueError, FileNotFoundError, CheckpointError) as e:  # ConfigError is a ValueError

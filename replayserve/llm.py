@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -15,7 +14,7 @@ from tqdm import tqdm
 from replayserve.chat import ChatTemplate, Message
 from replayserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 from replayserve.engine.engine import Engine
-from replayserve.engine.request import MAX_SEED, Request, SamplingParams
+from replayserve.engine.request import Request, SamplingParams
 from replayserve.models.loader import load_model
 from replayserve.tokenizer import Tokenizer
 
@@ -175,8 +174,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         template = self.chat_template if chat_template is None else ChatTemplate(chat_template,
                                                                                  self.chat_template.special_tokens)
-        prompts = [{"prompt_token_ids": self.tokenizer.encode(template.render(c, add_generation_prompt),
-                                                              add_special_tokens=False)}
+        prompts = [{"prompt_token_ids": template.prompt_ids(c, self.tokenizer, add_generation_prompt)}
                    for c in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
@@ -224,10 +222,8 @@ class LLM:
         try:
             for prompt_ids, p in zip(ids, all_params, strict=True):
                 requests.append([])
-                for i in range(p.n):  # completion i of a seeded request samples from seed + i
-                    seed = None if p.seed is None else (p.seed + i) % (MAX_SEED + 1)
-                    child = p if i == 0 else dataclasses.replace(p, seed=seed)
-                    requests[-1].append(self.engine.add_request(prompt_ids, child, cache_salt))
+                for i in range(p.n):
+                    requests[-1].append(self.engine.add_request(prompt_ids, p.for_completion(i), cache_salt))
             self._run(sum(len(r) for r in requests), use_tqdm)
         finally:
             for request in (r for group in requests for r in group):  # an interrupted call keeps no block or slot

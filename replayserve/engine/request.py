@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
@@ -100,6 +101,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def for_completion(self, index: int) -> SamplingParams:
+        """The params of completion ``index`` of ``n``: with a seed, completion i samples from
+        seed + i (mod 2**64), so the completions differ and each is reproducible on its own."""
+        if index == 0 or self.seed is None:
+            return self
+        return dataclasses.replace(self, seed=(self.seed + index) % (MAX_SEED + 1))
 
 
 class Status(enum.Enum):

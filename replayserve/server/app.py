@@ -1,0 +1,99 @@
+"""The FastAPI application: routes, error answers, and the engine thread's lifetime (started with
+the app, stopped when it shuts down)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+
+from replayserve.llm import LLM
+from replayserve.server.async_engine import AsyncEngine
+from replayserve.server.errors import ApiError, validation_error
+from replayserve.server.generation import Generation
+from replayserve.server.metrics import ServerMetrics
+from replayserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, error_body
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(llm: LLM, model_name: str, max_waiting_requests: int = 256) -> FastAPI:
+    """An app serving ``llm`` under ``model_name``. ``app.state.engine`` is its `AsyncEngine`
+    and ``app.state.metrics`` its `ServerMetrics`; the engine thread runs while the app does
+    (its lifespan), and ``app.state.draining`` set makes new generation requests answer 503."""
+    metrics = ServerMetrics(model_name)
+    engine = AsyncEngine(llm.engine, metrics, max_waiting_requests)
+    generation = Generation(engine, model_name, llm.tokenizer, llm.chat_template)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="replayserve", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.draining = False
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: HttpRequest, exc: ApiError) -> JSONResponse:
+        metrics.reject(exc.status)
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: HttpRequest, exc: RequestValidationError) -> JSONResponse:
+        metrics.reject(400)
+        return validation_error(exc).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: HttpRequest, exc: HTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), "invalid_request_error"), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: HttpRequest, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error answering %s", request.url.path)
+        metrics.reject(500)
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "internal_server_error"),
+                            status_code=500)
+
+    def check_open() -> None:
+        if app.state.draining:
+            raise ApiError(503, "the server is shutting down", None, "service_unavailable")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: HttpRequest) -> Response:
+        check_open()
+        return await generation.completions(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: HttpRequest) -> Response:
+        check_open()
+        return await generation.chat(body, raw)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        limit = llm.config.resolved_max_model_len
+        return ModelList(data=[ModelCard(id=model_name, created=created, max_model_len=limit)])
+
+    @app.get("/health")
+    async def health() -> Response:
+        alive = engine.is_alive()
+        return Response(status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,74 @@
+"""A table of bad requests: each is answered 4xx with an OpenAI-style error naming the field at
+fault, admits nothing, and the server goes on serving."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.server.conftest import MODEL_NAME, RunningServer
+
+CHAT = [{"role": "user", "content": "Hi"}]
+TOO_LONG = [7] * 1024  # the tiny model's max_model_len is 1024: no room left for an output
+
+# (endpoint, body (a dict, or raw bytes), status, field the error names (None: the body as a whole))
+CASES = [
+    ("completions", b'{"prompt": "Hi", ', 400, None),
+    ("completions", b"[1, 2]", 400, None),
+    ("completions", {"model": "gpt-4", "prompt": "Hi"}, 404, "model"),
+    ("completions", {"prompt": "Hi", "temperature": -0.5}, 400, "temperature"),
+    ("completions", {"prompt": "Hi", "temperature": float("nan")}, 400, "temperature"),
+    ("completions", {"prompt": "Hi", "top_p": float("nan")}, 400, "top_p"),
+    ("completions", {"prompt": "Hi", "top_p": 1.5}, 400, "top_p"),
+    ("completions", {"prompt": "Hi", "top_k": -3}, 400, "top_k"),
+    ("completions", {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"prompt": "Hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ("completions", {"prompt": "Hi", "n": 0}, 400, "n"),
+    ("completions", {"prompt": "Hi", "seed": -1}, 400, "seed"),
+    ("completions", {"prompt": "Hi", "stop": 5}, 400, "stop"),
+    ("completions", {"prompt": "Hi", "stop": [""]}, 400, "stop"),
+    ("completions", {"prompt": "Hi", "logprobs": -1}, 400, "logprobs"),
+    ("completions", {"prompt": "Hi", "stream": "yes"}, 400, "stream"),
+    ("completions", {"prompt": "Hi", "ignore_eos": 1}, 400, "ignore_eos"),
+    ("completions", {"prompt": "Hi", "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    ("completions", {"prompt": "Hi", "stream_options": {"include_usage": "no"}}, 400, "stream_options.include_usage"),
+    ("completions", {"max_tokens": 5}, 400, "prompt"),
+    ("completions", {"prompt": ""}, 400, "prompt"),
+    ("completions", {"prompt": []}, 400, "prompt"),
+    ("completions", {"prompt": [1, -2]}, 400, "prompt"),
+    ("completions", {"prompt": [1, 100000]}, 400, "prompt"),
+    ("completions", {"prompt": TOO_LONG}, 400, "prompt"),
+    ("chat/completions", {"messages": []}, 400, "messages"),
+    ("chat/completions", {"messages": "Hi"}, 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "Hi"}]}, 400, "messages"),
+    ("chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
+    ("chat/completions", {"messages": CHAT, "max_tokens": 3, "max_completion_tokens": 3}, 400, "max_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi " * 1100}]}, 400, "messages"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "body", "status", "param"), CASES,
+                         ids=[f"{i}-{c[0]}-{c[3]}" for i, c in enumerate(CASES)])
+def test_bad_request_is_refused_with_the_field_named(server: RunningServer, endpoint: str, body: dict | bytes,
+                                                     status: int, param: str | None) -> None:
+    content = body if isinstance(body, bytes) else json.dumps({"model": MODEL_NAME, **body}).encode()
+    response = httpx.post(f"{server.base_url}/v1/{endpoint}", content=content,
+                          headers={"content-type": "application/json"}, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+    assert server.engine.num_in_flight == 0
+
+
+def test_the_server_still_serves_after_bad_requests(server: RunningServer) -> None:
+    for _, body, _, _ in CASES[:6]:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        httpx.post(f"{server.base_url}/v1/completions", content=content, headers={"content-type": "application/json"})
+    ok = httpx.post(f"{server.base_url}/v1/completions", timeout=30,
+                    json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 3, "ignore_eos": True})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    server.assert_pools_full()

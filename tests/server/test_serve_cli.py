@@ -1,0 +1,99 @@
+"""`replayserve serve` as a process: SIGTERM (or SIGINT) in the middle of a load stops admitting, lets the
+requests in flight finish (none loses its end), and exits 0 within a few seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from replayserve.cli import main
+
+MAX_TOKENS = 64
+
+
+def _start(model_dir: Path) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen([sys.executable, "-m", "replayserve.cli", "serve", "--model", str(model_dir), "--port",
+                             "0", "--served-model-name", "tiny", "--dtype", "float32", "--shutdown-timeout", "20"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stderr is not None
+    deadline = time.monotonic() + 60
+    for line in proc.stderr:  # uvicorn logs the port it bound
+        match = re.search(r"running on (http://127\.0\.0\.1:\d+)", line)
+        if match:
+            # Keep reading its log, or a full pipe would block the server.
+            threading.Thread(target=proc.stderr.read, daemon=True).start()
+            return proc, match.group(1)
+        assert time.monotonic() < deadline, "the server did not start"
+    raise AssertionError(f"the server exited with {proc.wait()} before listening")
+
+
+def _stream(base_url: str) -> tuple[int, bool]:
+    """Completion tokens received and whether the stream ended with [DONE]."""
+    body = {"prompt": "The quick brown fox", "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    usage, done = 0, False
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: ") and json.loads(line[6:]).get("usage"):
+                usage = json.loads(line[6:])["usage"]["completion_tokens"]
+    return usage, done
+
+
+def _num_running(base_url: str) -> float:
+    text = httpx.get(f"{base_url}/metrics").text
+    return float(re.search(r'^replayserve_num_requests_running\{model_name="tiny"\} (\S+)$', text, re.M).group(1))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_mid_load_finishes_in_flight_requests_and_exits_0(tiny_model_dir: Path, sig: int) -> None:
+    proc, base_url = _start(tiny_model_dir)
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(_stream, base_url) for _ in range(8)]
+            deadline = time.monotonic() + 30
+            while _num_running(base_url) < 8:  # all admitted: SIGTERM lands mid-load, not before it
+                assert time.monotonic() < deadline, "the load never started"
+                time.sleep(0.02)
+            signal_at = time.monotonic()
+            proc.send_signal(sig)
+            results = [f.result() for f in futures]
+        assert proc.wait(timeout=30) == 0
+        assert time.monotonic() - signal_at < 15
+        assert results == [(MAX_TOKENS, True)] * 8, "every request in flight at SIGTERM completed"
+        try:
+            refused = httpx.get(f"{base_url}/health", timeout=2).status_code != 200
+        except httpx.TransportError:
+            refused = True
+        assert refused, "the server stopped listening"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--model", "/no/such/model"], "does not exist"),
+    (["--port", "70000"], "--port"),
+    (["--max-waiting-requests", "-1"], "--max-waiting-requests"),
+    (["--speculative", "{"], "--speculative"),
+])
+def test_a_bad_serve_invocation_exits_2_with_one_line(tiny_model_dir: Path, argv: list[str], says: str,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--model", str(tiny_model_dir), *argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and says in err and err.count("\n") == 1
