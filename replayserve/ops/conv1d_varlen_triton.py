@@ -121,7 +121,7 @@ def causal_conv1d_varlen_triton(
         tokens = torch.arange(total, device=x.device, dtype=cu_seqlens.dtype)
         token_seq = torch.searchsorted(cu_seqlens, tokens, right=True) - 1
     block_d = min(128, triton.next_power_of_2(dim))
-    block_t = 32
+    block_t = 16
     if total:
         _conv1d_varlen_kernel[(triton.cdiv(dim, block_d), triton.cdiv(total, block_t))](
             x, weight, bias, conv_state, state_slots, cu_seqlens, token_seq, y, total, dim,

@@ -243,12 +243,13 @@ def ssd_varlen_scan_ref(
     ys, grids = [], []
     for s, slot in enumerate(slots):
         lo, hi = bounds[s], bounds[s + 1]
-        y, final, grid = ssd_chunk_scan_ref(
+        y, final, *grid = ssd_chunk_scan_ref(
             x[lo:hi], dt[lo:hi], A, B[lo:hi], C[lo:hi], chunk_size, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
-            dt_limit=dt_limit, initial_state=ssm_state[slot], return_chunk_states=True, chunk_phase=phases[s],
+            dt_limit=dt_limit, initial_state=ssm_state[slot], return_chunk_states=return_grid_states,
+            chunk_phase=phases[s],
         )
         ssm_state[slot] = final.to(ssm_state.dtype)
         ys.append(y)
-        grids.append(grid)
+        grids += grid
     y = torch.cat(ys)
     return (y, torch.cat(grids)) if return_grid_states else y

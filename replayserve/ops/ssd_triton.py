@@ -234,6 +234,23 @@ def _chunk_scan_kernel(
              acc.to(y_ptr.dtype.element_ty), mask=mask_mp)
 
 
+def _tiles(dtype: torch.dtype, dim: int, dstate: int, chunk_size: int) -> dict[str, int]:
+    """Tile sizes (all >= 16, the smallest ``tl.dot`` operand) and warps of the two matmul kernels.
+
+    fp32 takes half-size tiles: its full-precision products run on the FMA units, and 64-wide tiles
+    spill to the stack there (sm_90, Triton 3.7: 7 KB of stack per thread in the scan kernel).
+    """
+    cap = 64 if dtype != torch.float32 else 32
+    return {
+        "state_p": max(16, min(cap, triton.next_power_of_2(dim))),
+        "state_n": max(16, min(cap, triton.next_power_of_2(dstate))),
+        "state_k": max(16, min(cap, triton.next_power_of_2(chunk_size))),
+        "scan_m": max(16, min(cap, triton.next_power_of_2(chunk_size))),
+        "scan_p": max(16, min(cap, triton.next_power_of_2(dim))),
+        "warps": 4,
+    }
+
+
 def _check(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, ssm_state: Tensor, state_slots: Tensor,
            chunks: VarlenChunks) -> None:
     total, nheads, dim = x.shape
@@ -308,6 +325,7 @@ def ssd_varlen_scan_triton(
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if nseq == 0:
         return (y, states) if return_grid_states else y
+    tiles = _tiles(x.dtype, dim, dstate, chunk_size)
     precision = "ieee" if x.dtype == f32 else "tf32"  # tf32 is ignored for 16-bit operands
     block_q = max(16, triton.next_power_of_2(chunk_size))
     block_h = max(1, min(triton.next_power_of_2(nheads), 4096 // block_q))
@@ -315,24 +333,23 @@ def ssd_varlen_scan_triton(
         dt, A, dt_bias, chunks.table, delta, cum, nc, total, nheads, float(dt_limit[0]), float(dt_limit[1]),
         *dt.stride(), HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus, BLOCK_Q=block_q, BLOCK_H=block_h,
     )
-    block_p = max(16, min(64, triton.next_power_of_2(dim)))
-    block_n = max(16, min(64, triton.next_power_of_2(dstate)))
-    block_k = max(16, min(64, triton.next_power_of_2(chunk_size)))
+    block_p, block_n = tiles["state_p"], tiles["state_n"]
     _chunk_state_kernel[(nc, nheads, triton.cdiv(dim, block_p) * triton.cdiv(dstate, block_n))](
         x, B, delta, cum, chunks.table, states, nc, total, dim, dstate, nheads // ngroups,
         *x.stride(), *B.stride(), *states.stride()[:3],
-        DOT_PRECISION=precision, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        DOT_PRECISION=precision, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_K=tiles["state_k"],
+        num_warps=tiles["warps"],
     )
     block = min(1024, triton.next_power_of_2(dim * dstate))
     _state_passing_kernel[(nseq, nheads, triton.cdiv(dim * dstate, block))](
         states, cum, chunks.table, chunks.seq_chunks, ssm_state, state_slots, nc, total, dim, dstate,
         *states.stride()[:2], *ssm_state.stride(), BLOCK=block, num_warps=4,
     )
-    block_m = max(16, min(64, triton.next_power_of_2(chunk_size)))
+    block_m, block_p = tiles["scan_m"], tiles["scan_p"]
     _chunk_scan_kernel[(nc, nheads, triton.cdiv(chunk_size, block_m) * triton.cdiv(dim, block_p))](
         x, B, C, D, delta, cum, states, chunks.table, y, nc, total, dim, dstate, nheads // ngroups,
         *x.stride(), *B.stride(), *C.stride(), *states.stride()[:3], *y.stride(),
         HAS_D=D is not None, DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_P=block_p,
-        BLOCK_N=max(16, triton.next_power_of_2(dstate)), num_warps=4,
+        BLOCK_N=max(16, triton.next_power_of_2(dstate)), num_warps=tiles["warps"],
     )
     return (y, states) if return_grid_states else y

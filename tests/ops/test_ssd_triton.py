@@ -21,7 +21,9 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 cuda_only = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 SMALL, BIG = (4, 8, 8, 2), (128, 64, 128, 8)  # (H, P, N, G)
-TOL = {torch.float32: (1e-4, 1e-3), torch.bfloat16: (6e-2, 2e-1), torch.float16: (6e-2, 2e-1)}  # (rtol, atol)
+# (rtol, atol, relative L2 error) against float64, on tensors scaled by the reference's RMS: 16-bit
+# kernels round the operands of every tensor-core product (decay-weighted B, scores, carried state).
+TOL = {torch.float32: (1e-4, 1e-3, 1e-5), torch.bfloat16: (6e-2, 2e-1, 1e-2), torch.float16: (6e-2, 2e-1, 3e-3)}
 POOL = 9
 
 
@@ -72,14 +74,20 @@ def check(lens: list[int], phases: list[int], chunk_size: int, shape: tuple[int,
     y_ref, grid_ref = ssd_varlen_scan_ref(*(as_ref(t) for t in args[:5]), *args[5:], ref_pool, slots,
                                           as_ref(inp["D"]), as_ref(inp["dt_bias"]), dt_limit=dt_limit,
                                           return_grid_states=True)
-    rtol, atol = TOL[dtype]
     assert y.dtype == dtype and grid.dtype == torch.float32
     num_chunks = sum(-(-(n + p) // chunk_size) for n, p in zip(lens, phases, strict=True))
     assert grid.shape == grid_ref.shape == (num_chunks, *shape[:3])
-    torch.testing.assert_close(y.double(), y_ref, rtol=rtol, atol=atol)
-    torch.testing.assert_close(grid.double(), grid_ref, rtol=rtol, atol=atol)
-    torch.testing.assert_close(pool.double(), ref_pool, rtol=rtol, atol=atol)
+    close(y, y_ref, dtype)
+    close(grid, grid_ref, dtype)
+    close(pool, ref_pool, dtype)
     assert torch.equal(pool[unused], before), "slots outside the batch are untouched"
+
+
+def close(actual: Tensor, expected: Tensor, dtype: torch.dtype) -> None:
+    rtol, atol, l2 = TOL[dtype]
+    scale = expected.square().mean().sqrt()
+    torch.testing.assert_close(actual.double() / scale, expected / scale, rtol=rtol, atol=atol)
+    assert ((actual.double() - expected).norm() / expected.norm()).item() < l2
 
 
 # (lens, phases, chunk_size): each names what it covers.
@@ -115,8 +123,8 @@ def test_chunk_table_is_shared_and_checked() -> None:
         y = ssd_varlen_scan_triton(*args, inp["pool"], inp["slots"], inp["D"], inp["dt_bias"], chunks=chunks)
         y_ref = ssd_varlen_scan_ref(*(as_ref(t) for t in args[:5]), *args[5:], ref_pool, inp["slots"],
                                     as_ref(inp["D"]), as_ref(inp["dt_bias"]))
-        torch.testing.assert_close(y.double(), y_ref, rtol=1e-4, atol=1e-3)
-        torch.testing.assert_close(inp["pool"].double(), ref_pool, rtol=1e-4, atol=1e-3)
+        close(y, y_ref, torch.float32)
+        close(inp["pool"], ref_pool, torch.float32)
     with pytest.raises(ValueError, match="chunk size"):
         ssd_varlen_scan_triton(*args[:5], 8, *args[6:], inp["pool"], inp["slots"], chunks=chunks)
     with pytest.raises(ValueError, match="covers 30 tokens"):
