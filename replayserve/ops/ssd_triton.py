@@ -45,8 +45,9 @@ class VarlenChunks:
 
     table: (3, num_chunks) int32 on the device: row 0 the chunk's sequence, row 1 its first packed
         token, row 2 its token count (1..chunk_size).
-    seq_chunks: (S+1,) int32 on the device: sequence s owns chunks seq_chunks[s]:seq_chunks[s+1];
-        its c-th chunk (from 0) starts at its token c * chunk_size - phase_s (clipped at 0).
+    seq_chunks: (S+1,) int32 on the device: sequence s owns chunks seq_chunks[s]:seq_chunks[s+1].
+        Without cuts, its c-th chunk (from 0) starts at its token max(0, c * chunk_size - phase_s).
+    chunk_starts: the chunks' first packed tokens on the host (the table's row 1).
     """
 
     table: Tensor
@@ -54,14 +55,20 @@ class VarlenChunks:
     num_chunks: int
     num_tokens: int
     chunk_size: int
+    chunk_starts: tuple[int, ...]
 
 
-def varlen_chunks(seq_lens: Sequence[int], phases: Sequence[int], chunk_size: int,
-                  device: torch.device | str) -> VarlenChunks:
+def varlen_chunks(seq_lens: Sequence[int], phases: Sequence[int], chunk_size: int, device: torch.device | str,
+                  cuts: Sequence[Sequence[int]] | None = None) -> VarlenChunks:
     """The chunk table of packed sequences of `seq_lens` tokens (each >= 1) whose first positions are
-    `phases` (each in [0, chunk_size)) past the chunk grid. One host-to-device copy."""
-    if len(seq_lens) != len(phases):
-        raise ValueError(f"{len(seq_lens)} sequence lengths but {len(phases)} phases")
+    `phases` (each in [0, chunk_size)) past the chunk grid. One host-to-device copy.
+
+    cuts: per sequence, offsets 0 < o < length where a chunk must also start (a state the scan must
+    return that lies off the grid, e.g. a prefix-caching boundary); None: the grid alone.
+    """
+    if len(seq_lens) != len(phases) or (cuts is not None and len(cuts) != len(seq_lens)):
+        raise ValueError(f"{len(seq_lens)} sequence lengths but {len(phases)} phases"
+                         + ("" if cuts is None else f" and {len(cuts)} cut lists"))
     seqs: list[int] = []
     starts: list[int] = []
     lens: list[int] = []
@@ -71,18 +78,19 @@ def varlen_chunks(seq_lens: Sequence[int], phases: Sequence[int], chunk_size: in
             raise ValueError(f"sequence {s} has {length} tokens; every packed sequence needs at least one")
         if not 0 <= phase < chunk_size:
             raise ValueError(f"sequence {s} has chunk phase {phase}, outside [0, {chunk_size})")
-        lo, end = token, token + length
-        hi = min(end, lo + chunk_size - phase)
-        while lo < end:
+        extra = sorted(set(cuts[s])) if cuts is not None else []
+        if extra and not 0 < extra[0] <= extra[-1] < length:
+            raise ValueError(f"sequence {s} of {length} tokens has cuts {extra}; each must be in (0, {length})")
+        bounds = sorted(set(range(chunk_size - phase, length, chunk_size)).union(extra))
+        for lo, hi in zip([0, *bounds], [*bounds, length], strict=True):
             seqs.append(s)
-            starts.append(lo)
+            starts.append(token + lo)
             lens.append(hi - lo)
-            lo, hi = hi, min(end, hi + chunk_size)
-        token = end
+        token += length
         offsets.append(len(seqs))
     flat = torch.tensor(seqs + starts + lens + offsets, dtype=torch.int32).to(device, non_blocking=True)
     count = len(seqs)
-    return VarlenChunks(flat[: 3 * count].view(3, count), flat[3 * count :], count, token, chunk_size)
+    return VarlenChunks(flat[: 3 * count].view(3, count), flat[3 * count :], count, token, chunk_size, tuple(starts))
 
 
 @triton.jit

@@ -145,3 +145,36 @@ def test_scan_matches_reference_at_nemotron_shape(dtype: torch.dtype) -> None:
 @cuda_only
 def test_scan_one_long_prompt_bf16() -> None:
     check([4096], [0], 128, BIG, torch.bfloat16, seed=6)
+
+
+def test_cuts_return_the_states_off_the_grid() -> None:
+    """Extra chunk starts (a prefix-caching boundary off the grid) leave y and the final states as they
+    were, and the state entering each chunk is the state after the tokens before it."""
+    lens, phases, chunk_size = [30, 9], [3, 0], 16
+    cuts = [[7, 13, 20], [4]]  # 13 is on the first sequence's grid (3 + 13 = 16)
+    inp = make(lens, SMALL, torch.float32, seed=21)
+    chunks = varlen_chunks(lens, phases, chunk_size, DEVICE, cuts=cuts)
+    assert chunks.chunk_starts == (0, 7, 13, 20, 29, 30, 34)
+    args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], chunk_size, inp["cu_seqlens"],
+            torch.tensor(phases, device=DEVICE))
+    start_pool = inp["pool"].clone()
+    y, grid = ssd_varlen_scan_triton(*args, inp["pool"], inp["slots"], inp["D"], inp["dt_bias"],
+                                     return_grid_states=True, chunks=chunks)
+    ref_pool = start_pool.double()
+    y_ref = ssd_varlen_scan_ref(*(as_ref(t) for t in args[:5]), *args[5:], ref_pool, inp["slots"],
+                                as_ref(inp["D"]), as_ref(inp["dt_bias"]))
+    close(y, y_ref, torch.float32)
+    close(inp["pool"], ref_pool, torch.float32)
+    for k, (seq, offset) in enumerate([(0, 0), (0, 7), (0, 13), (0, 20), (0, 29), (1, 0), (1, 4)]):
+        if offset == 0:
+            assert torch.equal(grid[k], start_pool[inp["slots"][seq]])
+            continue
+        lo = lens[0] * seq
+        prefix_pool = start_pool.double()
+        ssd_varlen_scan_ref(*(as_ref(t)[lo : lo + offset] for t in (args[0], args[1])), as_ref(args[2]),
+                            *(as_ref(t)[lo : lo + offset] for t in (args[3], args[4])), chunk_size,
+                            torch.tensor([0, offset]), torch.tensor([phases[seq]]), prefix_pool,
+                            inp["slots"][seq : seq + 1], None, as_ref(inp["dt_bias"]))
+        close(grid[k], prefix_pool[inp["slots"][seq]], torch.float32)
+    with pytest.raises(ValueError, match="cuts"):
+        varlen_chunks(lens, phases, chunk_size, DEVICE, cuts=[[30], []])
