@@ -8,6 +8,10 @@ the packed inputs or, for the first K-1 tokens of a sequence, from the sequence'
 then bias and SiLU. ``_conv_state_varlen_kernel``, one program per (channel block, sequence), then
 writes the K-1 inputs ending at each sequence's last token into its slot. It runs after the first
 launch in stream order, so no program of the first can read a state the second has overwritten.
+
+On an H200 (Triton 3.6, bf16, D 10240, K 4, 2026-12-04) 16 sequences of 1024 tokens took 0.73 ms
+(0.92 TB/s; the per-sequence reference 6.6 ms) and one of 4096 tokens 0.22 ms (reference 1.6 ms).
+Token blocks of 32 needed 255 registers and a stack on sm_90; 16 need 152.
 """
 
 from __future__ import annotations

@@ -23,6 +23,15 @@ Exponents are always differences inside one chunk (<= 0), so nothing overflows; 
 decay is applied chunk by chunk in step 3. fp32 inputs use full-precision products
 (``input_precision="ieee"``); bf16/fp16 inputs round the decay-weighted operands and the carried
 state to the input dtype before each product, as tensor cores need.
+
+On an H200 (Triton 3.6, bf16, fp32 state, Nemotron-H-8B's H=128 P=64 N=128 G=8, chunk 128,
+2026-12-04; ``benchmarks/bench_prefill_kernels.py``), 16 sequences of 1024 tokens took 2.56 ms
+(the per-sequence reference 47.0 ms): 13 us cumsum, 389 us chunk states, 1016 us state passing,
+1131 us chunk scan; 1.2 TB/s by the byte count (four passes over the fp32 chunk states dominate),
+against a floor near 0.7 ms. One 4096-token sequence: 0.65 ms (reference 6.3 ms). Relative L2 error
+against float64: 2.3e-3 on y, 1.6e-3 on the states. Eight warps, or 32-wide P tiles, were slower
+(3.4 ms); 128-row scan tiles 2.8 ms. The state passing is a chain of dependent loads per chunk and
+the scan kernel's 235 registers leave two programs per SM: the places to look next.
 """
 
 from __future__ import annotations
