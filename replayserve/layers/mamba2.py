@@ -75,9 +75,9 @@ class Mamba2Mixer(nn.Module):
             index, lens = _padded_index(ctx.decode_lens, hidden.device)
             y_rows = backend.verify(self.mamba_index, ctx.state_slots[:nd], xbc[index], dt[index], lens, params)
             y[:nt] = y_rows.flatten(0, 1)[_valid_positions(ctx.decode_lens, index.shape[1], hidden.device)]
-        for start, end, slot, captures, first in ctx.prefill_segments():
-            y[start:end] = backend.prefill(self.mamba_index, slot, xbc[start:end], dt[start:end], params, captures,
-                                           first % self.chunk_size)
+        segments = ctx.prefill_segments()
+        if segments:
+            y[segments[0][0] : segments[-1][1]] = backend.prefill_batch(self.mamba_index, segments, xbc, dt, params)
         y = self.norm(y.reshape(hidden.shape[0], -1), z)
         return self.out_proj(y)
 

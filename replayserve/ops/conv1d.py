@@ -154,3 +154,37 @@ def causal_conv1d_verify_ref(
     bias_c = None if bias is None else bias.to(cdt)
     y = _apply_taps(taps, weight.to(cdt), bias_c, activation)
     return y.to(x.dtype), window
+
+
+def causal_conv1d_varlen_ref(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    conv_state: Tensor,
+    state_slots: Tensor,
+    cu_seqlens: Tensor,
+    activation: str | None = "silu",
+) -> Tensor:
+    """``causal_conv1d_ref`` over S packed sequences, each from and back into its conv state slot.
+
+    Arguments:
+        x: (T, D) the tokens of all sequences, sequence s at rows cu_seqlens[s]:cu_seqlens[s+1].
+        weight: (D, K); bias: (D,) or None; activation: "silu" or None.
+        conv_state: (slots, D, K-1) pool; row state_slots[s] holds the K-1 inputs before sequence s
+            and is overwritten IN PLACE with the K-1 inputs ending at its last token (unchanged
+            inputs shift in when the sequence is shorter than K-1).
+        state_slots: (S,) int, distinct.
+        cu_seqlens: (S+1,) int, ascending from 0 to T.
+
+    Returns:
+        y: (T, D) in x.dtype.
+    """
+    bounds, slots = cu_seqlens.tolist(), state_slots.tolist()
+    if len(bounds) != len(slots) + 1:
+        raise ValueError(f"cu_seqlens must be (S+1,) for S={len(slots)} state slots, got {len(bounds)} entries")
+    ys = []
+    for s, slot in enumerate(slots):
+        y, conv_state[slot] = causal_conv1d_ref(x[bounds[s] : bounds[s + 1]], weight, bias, conv_state[slot],
+                                                activation)
+        ys.append(y)
+    return torch.cat(ys)

@@ -199,3 +199,57 @@ def selective_state_update_ref(
         y = y + D.to(cdt)[:, None] * xc
     state[idx] = s.to(state.dtype)
     return y.to(x.dtype)
+
+
+def ssd_varlen_scan_ref(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    chunk_size: int,
+    cu_seqlens: Tensor,
+    chunk_phase: Tensor,
+    ssm_state: Tensor,
+    state_slots: Tensor,
+    D: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    return_grid_states: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """``ssd_chunk_scan_ref`` over S packed sequences, each from and back into its state slot.
+
+    Arguments:
+        x: (T, H, P) the tokens of all sequences, sequence s at rows cu_seqlens[s]:cu_seqlens[s+1].
+        dt: (T, H) raw time step; A, D, dt_bias, dt_softplus, dt_limit: as in ``ssd_chunk_scan_ref``.
+        B, C: (T, G, N).
+        cu_seqlens: (S+1,) int, ascending from 0 to T; every sequence has at least one token.
+        chunk_phase: (S,) int in [0, chunk_size), each sequence's first position modulo chunk_size.
+        ssm_state: (slots, H, P, N) state pool; row state_slots[s] is sequence s's initial state
+            and is overwritten IN PLACE with its final state (in ssm_state.dtype).
+        state_slots: (S,) int, distinct.
+        return_grid_states: also return the states on each sequence's chunk grid.
+
+    Returns:
+        y: (T, H, P) in x.dtype.
+        grid_states (if asked): (sum_s ceil((L_s + phase_s) / chunk_size), H, P, N) in
+            compute_dtype(x.dtype): sequence s's ``chunk_states`` (entry 0 its initial state, entry
+            c the state after its first c * chunk_size - phase_s tokens), concatenated over s.
+    """
+    bounds, phases, slots = cu_seqlens.tolist(), chunk_phase.tolist(), state_slots.tolist()
+    if len(bounds) != len(slots) + 1 or len(phases) != len(slots):
+        raise ValueError(f"cu_seqlens must be (S+1,) and chunk_phase (S,) for S={len(slots)} state slots")
+    ys, grids = [], []
+    for s, slot in enumerate(slots):
+        lo, hi = bounds[s], bounds[s + 1]
+        y, final, *grid = ssd_chunk_scan_ref(
+            x[lo:hi], dt[lo:hi], A, B[lo:hi], C[lo:hi], chunk_size, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
+            dt_limit=dt_limit, initial_state=ssm_state[slot], return_chunk_states=return_grid_states,
+            chunk_phase=phases[s],
+        )
+        ssm_state[slot] = final.to(ssm_state.dtype)
+        ys.append(y)
+        grids += grid
+    y = torch.cat(ys)
+    return (y, torch.cat(grids)) if return_grid_states else y

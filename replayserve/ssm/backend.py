@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from replayserve.ops.conv1d import causal_conv1d_ref, causal_conv1d_update_ref, causal_conv1d_verify_ref
+from replayserve.ops.dtypes import triton_ok
 from replayserve.ops.ssd import ssd_chunk_scan_ref
 from replayserve.ssm.layout import MambaLayout
+
+if TYPE_CHECKING:
+    from replayserve.ssm.packed_prefill import PrefillPlan
+
+# A step's prefill sequence: (token start, token end, state slot, captures, first position), as
+# `StepContext.prefill_segments()` lists them; captures as in `SSMBackend.prefill`.
+Segment = tuple[int, int, int, tuple[tuple[int, int], ...], int]
 
 
 @dataclass(frozen=True)
@@ -46,10 +56,36 @@ class SSMBackend(ABC):
                                                         torch.device("cpu"), self.layout.act_dtype)
         self.spec_states, self._windows, self._accepted = [], {}, None
         self._capture_indices: dict[tuple, torch.Tensor] = {}
+        self._prefill_plan: tuple[tuple, PrefillPlan] | None = None  # the last step's, keyed by its segments
 
     @abstractmethod
     def reset_slots(self, slots: torch.Tensor) -> None:
         """Zeroes every layer's state of `slots` (int64, on the device): a fresh request."""
+
+    def prefill_batch(self, layer: int, segments: Sequence[Segment], xbc: torch.Tensor, dt: torch.Tensor,
+                      params: MambaParams, packed: bool | None = None) -> torch.Tensor:
+        """Every prefill sequence of a step, each as `prefill` would run it.
+
+        segments: ``StepContext.prefill_segments()``, contiguous, each with at least one token;
+        xbc: (T, conv_dim) and dt: (T, H) the whole step's tokens. Returns y (hi - lo, H, P) for
+        the segments' tokens lo = segments[0][0] to hi = segments[-1][1].
+        packed: run all sequences in one pass per op (the packed varlen conv1d and SSD scan
+        kernels; the step's plan is built by its first Mamba layer and reused by the others) or
+        one `prefill` call each; None: packed where the kernels serve the activations (CUDA).
+        """
+        lo, hi = segments[0][0], segments[-1][1]
+        if not (triton_ok(xbc) if packed is None else packed):
+            ys = [self.prefill(layer, slot, xbc[start:end], dt[start:end], params, captures, first % params.chunk_size)
+                  for start, end, slot, captures, first in segments]
+            return ys[0] if len(ys) == 1 else torch.cat(ys)
+        from replayserve.ssm.packed_prefill import build_prefill_plan, packed_prefill
+
+        key = (tuple(segments), params.chunk_size)
+        if self._prefill_plan is None or self._prefill_plan[0] != key:
+            plan = build_prefill_plan(segments, params.chunk_size, self.layout.conv_kernel, xbc.device)
+            self._prefill_plan = (key, plan)
+        return packed_prefill(self._prefill_plan[1], self.conv_state[layer], self.ssm_state[layer], xbc[lo:hi],
+                              dt[lo:hi], params, self.layout.split_xbc)
 
     def prefill(
         self, layer: int, slot: int, xbc: torch.Tensor, dt: torch.Tensor, params: MambaParams,

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from replayserve.ops.conv1d import causal_conv1d_ref, causal_conv1d_update_ref
+from replayserve.ops.conv1d import causal_conv1d_ref, causal_conv1d_update_ref, causal_conv1d_varlen_ref
 
 F64 = torch.float64
 TOL = 1e-10
@@ -122,3 +122,21 @@ def test_low_precision_dtypes() -> None:
 def test_rejects_unknown_activation() -> None:
     with pytest.raises(ValueError):
         causal_conv1d_ref(torch.ones(2, 3), torch.ones(3, 4), None, activation="gelu")
+
+
+def test_varlen_is_each_sequence_from_its_slot() -> None:
+    """Packed sequences (one empty, one shorter than K-1) against grouped F.conv1d over [slot state ; x]."""
+    gen = torch.Generator().manual_seed(7)
+    dim, width, lens, slots = 8, 4, [5, 0, 2, 11], [3, 1, 0, 4]
+    weight, bias = make_params(dim, width, gen)
+    pool = torch.randn(6, dim, width - 1, generator=gen, dtype=F64)
+    before = pool.clone()
+    x = torch.randn(sum(lens), dim, generator=gen, dtype=F64)
+    cu = torch.tensor([0, 5, 5, 7, 18])
+    y = causal_conv1d_varlen_ref(x, weight, bias, pool, torch.tensor(slots), cu)
+    for s, slot in enumerate(slots):
+        xs = x[cu[s] : cu[s + 1]]
+        if xs.shape[0]:
+            assert rel_err(y[cu[s] : cu[s + 1]], torch_conv(xs, weight, bias, before[slot], True)) < TOL
+        assert torch.equal(pool[slot], torch.cat([before[slot], xs.T], dim=1)[:, -(width - 1) :])
+    assert torch.equal(pool[[2, 5]], before[[2, 5]])

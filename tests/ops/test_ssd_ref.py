@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from replayserve.ops.ssd import selective_state_update_ref, ssd_chunk_scan_ref
+from replayserve.ops.ssd import selective_state_update_ref, ssd_chunk_scan_ref, ssd_varlen_scan_ref
 
 F64 = torch.float64
 TOL = 1e-10
@@ -211,3 +211,31 @@ def test_low_precision_dtypes_and_strong_decay_stay_finite() -> None:
     state = lo["initial_state"][None].float()
     y_step = decode(state, step_inputs(lo, 255), lo, None)
     assert y_step.dtype == torch.bfloat16 and state.dtype == torch.float32
+
+
+def test_varlen_scan_is_each_sequence_from_its_slot() -> None:
+    """Packed sequences (mid-grid starts, one shorter than a chunk) against the recurrence of each from
+    its slot's state; the final states land in their slots, other slots untouched."""
+    lens, phases, slots, chunk = [21, 5, 34], [3, 15, 0], [4, 0, 2], 16
+    seqs = [make_inputs(n, SHAPES[0], seed=60 + n) for n in lens]
+    for inp in seqs[1:]:
+        for key in ("A", "D", "dt_bias"):
+            inp[key] = seqs[0][key]
+    pool = torch.randn(5, *seqs[0]["initial_state"].shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+    for s, inp in zip(slots, seqs, strict=True):
+        pool[s] = inp["initial_state"]
+    before = pool.clone()
+    packed = {k: torch.cat([inp[k] for inp in seqs]) for k in ("x", "dt", "B", "C")}
+    y, grid = ssd_varlen_scan_ref(
+        packed["x"], packed["dt"], seqs[0]["A"], packed["B"], packed["C"], chunk, torch.tensor([0, 21, 26, 60]),
+        torch.tensor(phases), pool, torch.tensor(slots), D=seqs[0]["D"], dt_bias=seqs[0]["dt_bias"],
+        return_grid_states=True)
+    first_chunk = 0
+    for s, inp, n, phase in zip(slots, seqs, [0, 21, 26], phases, strict=True):
+        y_exp, final_exp = recurrence(inp)
+        assert rel_err(y[n : n + inp["x"].shape[0]], y_exp) < TOL
+        assert rel_err(pool[s], final_exp) < TOL
+        assert rel_err(grid[first_chunk], inp["initial_state"]) == 0
+        first_chunk += -(-(inp["x"].shape[0] + phase) // chunk)
+    assert grid.shape[0] == first_chunk == 2 + 2 + 3
+    assert torch.equal(pool[[1, 3]], before[[1, 3]])
