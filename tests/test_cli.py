@@ -88,6 +88,10 @@ def test_make_tiny_refuses_a_non_empty_directory(tmp_path: Path, capsys: pytest.
     (["generate", "--model", "{model}", "--prompt", "x", "--temperature", "-1"], "temperature"),
     (["generate", "--model", "{model}", "--prompt", "x", "--max-tokens", "many"], "invalid int"),
     (["generate", "--model", "{model}", "--prompt", "x", "--block-size", "0", "--device", "cpu"], "block_size"),
+    (["generate", "--model", "{model}", "--prompt", "x", "--gpu-memory-utilization", "1.5", "--device", "cpu"],
+     "gpu_memory_utilization"),
+    (["generate", "--model", "{model}", "--prompt", "x", "--prompt-logprobs", "-1", "--device", "cpu"],
+     "prompt_logprobs"),
 ])
 def test_bad_invocations_exit_2_with_one_line(tiny_model_dir: Path, capsys: pytest.CaptureFixture, argv: list[str],
                                               message: str) -> None:
