@@ -386,17 +386,25 @@ class EngineConfig:
             fail("num_kv_blocks", f"{self.resolved_num_kv_blocks} blocks of {self.block_size} tokens cannot "
                  f"hold one sequence of max_model_len={self.resolved_max_model_len}; "
                  f"need at least {self.blocks_per_seq}")
-        # Last, every size being valid: the caches they imply must fit in free memory. Imported here
-        # because the Mamba state shapes come from ssm/layout, which imports this module.
+        # Last, every size being valid: the caches they imply must fit in free memory (sizes that
+        # LLM derives from memory are checked once derived).
+        if not self.sized_by_memory:
+            self.check_cache_fit()
+
+    def check_cache_fit(self) -> None:
+        """Raises ConfigError naming num_kv_blocks when the caches of these sizes (defaults for the
+        unset ones) would not fit in the device's free memory."""
+        # Imported here: the Mamba state shapes come from ssm/layout, which imports this module.
         from replayserve.cache_memory import cache_fit_error
 
-        if not self.sized_by_memory and (why := cache_fit_error(self)) is not None:
-            fail("num_kv_blocks", why)
+        if (why := cache_fit_error(self)) is not None:
+            raise ConfigError(f"engine option num_kv_blocks: {why}")
 
     @property
     def sized_by_memory(self) -> bool:
-        """On CUDA, the KV blocks and cached Mamba states not given are sized from the memory free
-        once the weights are loaded (`cache_memory.plan_cache_sizes`); until then they are unknown."""
+        """On CUDA, `LLM` sizes the KV blocks and cached Mamba states not given from the memory free
+        once the weights are loaded (`cache_sizing.size_caches`). An `Engine` built from such a
+        config directly (benchmarks) takes the defaults, checked against free memory then."""
         return self.device.startswith("cuda") and (
             self.num_kv_blocks is None or (self.mamba_cache_mode != "none" and self.num_mamba_cache_slots is None))
 

@@ -130,3 +130,15 @@ def test_on_cpu_the_defaults_stay(tiny_model_dir: Path) -> None:
     llm = LLM(model=str(tiny_model_dir), dtype="float32", device="cpu", max_num_seqs=2, max_model_len=64,
               gpu_memory_utilization=0.1)
     assert llm.config.num_kv_blocks is None and llm.engine.cache.kv.size == 2 * llm.config.blocks_per_seq
+
+
+def test_an_engine_built_directly_checks_the_default_sizes(model: ModelConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Benchmarks build an Engine from a CUDA config without LLM's sizing: the defaults apply and
+    must fit (checked before anything is allocated)."""
+    from replayserve import cache_memory
+
+    config = dataclasses.replace(_config(model), device="cuda")
+    needed = sum(cache_bytes(config, torch.float32))
+    monkeypatch.setattr(cache_memory, "available_bytes", lambda device: needed - 1)
+    with pytest.raises(ConfigError, match="engine option num_kv_blocks: 24 .unset: max_num_seqs"):
+        Engine(config, None, None)  # type: ignore[arg-type]

@@ -35,6 +35,8 @@ class Stop(NamedTuple):
 
 class Engine:
     def __init__(self, config: EngineConfig, model: NemotronHForCausalLM, tokenizer: Tokenizer | None) -> None:
+        if config.sized_by_memory:  # not sized by LLM: the defaults, which must fit
+            config.check_cache_fit()
         self.config = config
         self.tokenizer = tokenizer
         self.cache = CacheManager(
