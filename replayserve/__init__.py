@@ -3,11 +3,12 @@
 from importlib.metadata import PackageNotFoundError, version
 
 from replayserve.engine.request import SamplingParams
-from replayserve.llm import LLM, CompletionOutput, RequestOutput
+from replayserve.llm import LLM
+from replayserve.outputs import CompletionOutput, Logprob, RequestOutput
 
 try:
     __version__ = version("replayserve")
 except PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "0.0.0+unknown"
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "__version__"]

@@ -20,13 +20,20 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 def cache_bytes(config: EngineConfig, dtype: torch.dtype) -> tuple[int, int]:
     """(KV cache bytes, Mamba state bytes) that the runner allocates for `config` in `dtype`."""
+    return cache_bytes_for(config, dtype, config.resolved_num_kv_blocks, config.resolved_num_mamba_cache_slots)
+
+
+def cache_bytes_for(config: EngineConfig, dtype: torch.dtype, num_kv_blocks: int,
+                    num_cached_states: int) -> tuple[int, int]:
+    """`cache_bytes` with `num_kv_blocks` KV blocks and `num_cached_states` boundary-state slots
+    instead of the config's (`cache_sizing` prices candidate sizes with it)."""
     m = config.model
     # One KV block and one state slot more than the pools hand out: the runner's pad block and pad
     # slot of padded decode rows (the allocation test keeps this in step with the runner).
-    kv_shape = (config.resolved_num_kv_blocks + 1, config.block_size, m.num_key_value_heads, m.head_dim)
+    kv_shape = (num_kv_blocks + 1, config.block_size, m.num_key_value_heads, m.head_dim)
     kv = 2 * m.num_attention_layers * _nbytes(kv_shape, dtype)
     replay = config.ssm_backend == "replay"
-    layout = MambaLayout.from_config(m, config.max_num_seqs + config.resolved_num_mamba_cache_slots + 1, dtype,
+    layout = MambaLayout.from_config(m, config.max_num_seqs + num_cached_states + 1, dtype,
                                      window=config.replay_window if replay else 0,
                                      tokens_per_step=config.tokens_per_step)
     act, state = layout.act_dtype, layout.state_dtype

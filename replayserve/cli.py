@@ -11,9 +11,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from replayserve.config import DTYPES, MAMBA_CACHE_MODES, SSM_BACKENDS
+
+if TYPE_CHECKING:
+    from replayserve.outputs import Logprob
 
 DEMO_PROMPTS = [
     "Hybrid language models mix",
@@ -53,7 +56,12 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="tokens per step: prefill chunks plus decode rows (default %(default)s)")
     g.add_argument("--max-model-len", type=int, help="prompt plus output tokens (default: the model's limit)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
-    g.add_argument("--num-kv-blocks", type=int, help="KV blocks (default: enough for max-num-seqs full sequences)")
+    g.add_argument("--num-kv-blocks", type=int,
+                   help="KV blocks (default: on CUDA sized by --gpu-memory-utilization, on CPU enough for "
+                        "max-num-seqs full sequences)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: the share of the GPU's memory this engine may use; KV blocks and cached Mamba "
+                        "states not given fill what the weights and activations leave (default %(default)s)")
     g.add_argument("--ssm-backend", default="baseline", choices=SSM_BACKENDS,
                    help="Mamba decode: baseline (state every step) or replay (ReplaySSM) (default %(default)s)")
     g.add_argument("--replay-window", type=int, default=16, help="ReplaySSM window (default %(default)s)")
@@ -79,8 +87,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         if not isinstance(speculative, dict):
             raise UserError("--speculative must be a JSON object")
     names = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-             "num_kv_blocks", "ssm_backend", "replay_window", "enable_prefix_caching", "mamba_cache_mode",
-             "num_mamba_cache_slots", "mamba_block_size", "enforce_eager")
+             "num_kv_blocks", "gpu_memory_utilization", "ssm_backend", "replay_window", "enable_prefix_caching",
+             "mamba_cache_mode", "num_mamba_cache_slots", "mamba_block_size", "enforce_eager")
     return {**{n: getattr(args, n) for n in names}, "speculative": speculative}
 
 
@@ -123,15 +131,34 @@ def _generate(args: argparse.Namespace) -> None:
     params = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
         max_tokens=args.max_tokens, stop=args.stop or [], logprobs=args.logprobs, ignore_eos=args.ignore_eos, n=args.n,
+        prompt_logprobs=args.prompt_logprobs,
     )
     llm = LLM(model=_model_dir(args.model), **engine_options(args))
     for i, (prompt, out) in enumerate(zip(args.prompt, llm.generate(args.prompt, params), strict=True)):
         print(f"=== prompt {i} ===\n{prompt}")
+        if out.prompt_logprobs is not None:
+            print("prompt logprobs:", *_logprob_lines(out.prompt_token_ids, out.prompt_logprobs), sep="\n")
         for c in out.outputs:
             print(f"--- completion {c.index} (finish: {c.finish_reason}"
                   f"{'' if c.stop_reason is None else f', stop: {c.stop_reason!r}'}) ---\n{c.text}")
             if c.logprobs is not None:
-                print(f"logprobs: {c.logprobs}")
+                print("logprobs:", *_logprob_lines(c.token_ids, c.logprobs), sep="\n")
+
+
+def _logprob_lines(token_ids: list[int], logprobs: list[dict[int, Logprob] | None]) -> list[str]:
+    """One line per position: its token, log-probability and rank, then the other top tokens'."""
+    def name(token: int, lp: Logprob | None) -> str:
+        return f"#{token}" if lp is None or lp.decoded_token is None else repr(lp.decoded_token)
+
+    lines = []
+    for i, (token, entry) in enumerate(zip(token_ids, logprobs, strict=True)):
+        if entry is None:  # the first prompt token: nothing precedes it
+            lines.append(f"  {i}: #{token} -")
+            continue
+        own = entry[token]
+        top = ", ".join(f"{name(t, lp)} {lp.logprob:.4f}" for t, lp in entry.items() if t != token)
+        lines.append(f"  {i}: {name(token, own)} {own.logprob:.4f} (rank {own.rank})" + (top and f"; top: {top}"))
+    return lines
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -186,7 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, help="per-request sampling seed")
     s.add_argument("--stop", action="append", help="a stop string; repeat for several")
     s.add_argument("--n", type=int, default=1, help="completions per prompt (default %(default)s)")
-    s.add_argument("--logprobs", type=int, help="print the top-k log-probabilities of each token")
+    s.add_argument("--logprobs", type=int,
+                   help="print each generated token's log-probability and rank and the top-k others' (default: none)")
+    s.add_argument("--prompt-logprobs", type=int,
+                   help="print the same for each prompt token given the tokens before it (default: none)")
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     add_engine_options(gen)
 

@@ -330,6 +330,8 @@ class EngineConfig:
     max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
+    # CUDA: the share of the GPU's memory the engine may use; sizes the caches not given (cache_memory.py).
+    gpu_memory_utilization: float = 0.9
     ssm_backend: str = "baseline"
     replay_window: int = 16
     enable_prefix_caching: bool = False
@@ -350,6 +352,8 @@ class EngineConfig:
         check_minimums(self, _ENGINE_MINIMUMS, fail)
         if self.dtype not in DTYPES:
             fail("dtype", f"{self.dtype!r} is not one of {DTYPES}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            fail("gpu_memory_utilization", f"must be a number in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.device.split(":")[0] not in DEVICES:
             fail("device", f"{self.device!r} is not one of {DEVICES}")
         if self.ssm_backend not in SSM_BACKENDS:
@@ -382,12 +386,27 @@ class EngineConfig:
             fail("num_kv_blocks", f"{self.resolved_num_kv_blocks} blocks of {self.block_size} tokens cannot "
                  f"hold one sequence of max_model_len={self.resolved_max_model_len}; "
                  f"need at least {self.blocks_per_seq}")
-        # Last, every size being valid: the caches they imply must fit in free memory. Imported here
-        # because the Mamba state shapes come from ssm/layout, which imports this module.
+        # Last, every size being valid: the caches they imply must fit in free memory (sizes that
+        # LLM derives from memory are checked once derived).
+        if not self.sized_by_memory:
+            self.check_cache_fit()
+
+    def check_cache_fit(self) -> None:
+        """Raises ConfigError naming num_kv_blocks when the caches of these sizes (defaults for the
+        unset ones) would not fit in the device's free memory."""
+        # Imported here: the Mamba state shapes come from ssm/layout, which imports this module.
         from replayserve.cache_memory import cache_fit_error
 
         if (why := cache_fit_error(self)) is not None:
-            fail("num_kv_blocks", why)
+            raise ConfigError(f"engine option num_kv_blocks: {why}")
+
+    @property
+    def sized_by_memory(self) -> bool:
+        """On CUDA, `LLM` sizes the KV blocks and cached Mamba states not given from the memory free
+        once the weights are loaded (`cache_sizing.size_caches`). An `Engine` built from such a
+        config directly (benchmarks) takes the defaults, checked against free memory then."""
+        return self.device.startswith("cuda") and (
+            self.num_kv_blocks is None or (self.mamba_cache_mode != "none" and self.num_mamba_cache_slots is None))
 
     @property
     def tokens_per_step(self) -> int:

@@ -5,17 +5,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
+from replayserve.cache_sizing import size_caches
 from replayserve.chat import ChatTemplate, Message
 from replayserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 from replayserve.engine.engine import Engine
 from replayserve.engine.request import Request, SamplingParams
 from replayserve.models.loader import load_model
+from replayserve.outputs import CompletionOutput, RequestOutput, to_logprobs
 from replayserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -25,54 +26,6 @@ Prompt = str | dict[str, Any]
 _TORCH_DTYPES = {
     "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16,
 }
-
-
-@dataclass(frozen=True)
-class CompletionOutput:
-    """One completion of a prompt, as vLLM shapes it.
-
-    logprobs: per generated token, {token id: log-probability} of the sampled token and the
-    top `SamplingParams.logprobs` ones; None when not asked. cumulative_logprob: the sum of the
-    sampled tokens' log-probabilities when logprobs were asked, else None. finish_reason:
-    "stop", "length" or "abort"; stop_reason: the stop token id or stop string that matched
-    (None for EOS, length and abort).
-    """
-
-    index: int
-    text: str
-    token_ids: list[int]
-    cumulative_logprob: float | None
-    logprobs: list[dict[int, float]] | None
-    finish_reason: str | None
-    stop_reason: int | str | None = None
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """A prompt and its `n` completions, as vLLM shapes it. `text`, `token_ids`, `logprobs` and
-    `finish_reason` are the first completion's, for callers that ask for one."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool = True
-
-    @property
-    def text(self) -> str:
-        return self.outputs[0].text
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.outputs[0].token_ids
-
-    @property
-    def logprobs(self) -> list[dict[int, float]] | None:
-        return self.outputs[0].logprobs
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.outputs[0].finish_reason
 
 
 class LLM:
@@ -91,6 +44,9 @@ class LLM:
     lcm(block_size, the model's SSD chunk size)); prefix hits are multiples of it.
     speculative: {"method": "ngram" | "custom", "num_speculative_tokens": k, ...} (see
     `SpeculativeConfig`): decode rows verify up to k proposed tokens per step, losslessly.
+    gpu_memory_utilization: on CUDA, the share of the GPU's memory (0, 1] this engine may use: KV
+    blocks and cached Mamba states that are not given fill what the weights and an activation
+    reserve leave (`cache_sizing.py`; the numbers are logged). On CPU the defaults stay.
     enforce_eager: on CUDA, run decode steps eagerly instead of replaying a CUDA graph per padded
     batch size (1, 2, 4, 8, multiples of 16 up to max_num_seqs; captured on first use).
     """
@@ -105,6 +61,7 @@ class LLM:
         block_size: int = 16,
         max_model_len: int | None = None,
         num_kv_blocks: int | None = None,
+        gpu_memory_utilization: float = 0.9,
         ssm_backend: str = "baseline",
         replay_window: int = 16,
         enable_prefix_caching: bool = False,
@@ -127,7 +84,8 @@ class LLM:
         self.config = EngineConfig(
             model=model_config, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, block_size=block_size,
-            num_kv_blocks=num_kv_blocks, ssm_backend=ssm_backend, replay_window=replay_window,
+            num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization, ssm_backend=ssm_backend,
+            replay_window=replay_window,
             enable_prefix_caching=enable_prefix_caching, mamba_cache_mode=mamba_cache_mode,
             num_mamba_cache_slots=num_mamba_cache_slots, mamba_block_size=mamba_block_size,
             speculative=None if speculative is None else SpeculativeConfig.from_dict(speculative),
@@ -138,6 +96,7 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(model)
         self.chat_template = ChatTemplate.from_dir(model)
         net = load_model(model, _TORCH_DTYPES[dtype], torch.device(device))
+        self.config = size_caches(self.config)  # CUDA: what the weights leave, before any cache is allocated
         self.engine = Engine(self.config, net, self.tokenizer)
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
@@ -228,18 +187,24 @@ class LLM:
         finally:
             for request in (r for group in requests for r in group):  # an interrupted call keeps no block or slot
                 self.engine.abort(request)
-        return [_output(prompt, group) for prompt, group in zip(prompts, requests, strict=True)]
+        return [_output(prompt, group, self.tokenizer) for prompt, group in zip(prompts, requests, strict=True)]
 
 
-def _output(prompt: Prompt, group: list[Request]) -> RequestOutput:
+def _output(prompt: Prompt, group: list[Request], tokenizer: Tokenizer | None) -> RequestOutput:
+    decode = None if tokenizer is None else tokenizer.token_text
     completions = []
     for index, r in enumerate(group):
         assert r.finish_reason is not None
-        logprobs = list(r.output_logprobs) if r.params.logprobs is not None else None
-        cumulative = None if logprobs is None else sum(lp[t] for lp, t in zip(logprobs, r.output_token_ids,
-                                                                                strict=True))
+        logprobs, cumulative = None, None
+        if r.params.logprobs is not None:
+            logprobs = to_logprobs(r.output_logprobs, r.output_token_ids, r.output_ranks, decode)
+            cumulative = sum(lp[t] for lp, t in zip(r.output_logprobs, r.output_token_ids, strict=True))
         completions.append(CompletionOutput(index, r.text, list(r.output_token_ids), cumulative, logprobs,
                                             r.finish_reason, r.stop_reason))
     first = group[0]
+    prompt_logprobs = None
+    if first.params.prompt_logprobs is not None and not first.needs_prompt_logprobs:  # an abort leaves them out
+        prompt_logprobs = [None, *to_logprobs(first.prompt_logprobs, first.prompt_token_ids[1:], first.prompt_ranks,
+                                              decode)]
     return RequestOutput(first.request_id, prompt if isinstance(prompt, str) else None, first.prompt_token_ids,
-                         completions, finished=True)
+                         completions, finished=True, prompt_logprobs=prompt_logprobs)

@@ -31,3 +31,7 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens included (a logprob's `decoded_token`)."""
+        return self._tok.decode([token_id], skip_special_tokens=False)

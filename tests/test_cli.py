@@ -46,6 +46,27 @@ def test_generate_prints_prompts_and_completions_apart(tiny_model_dir: Path, cap
     assert "=== prompt 1 ===\ndef f(\n" in out and "(finish: length)" in out
 
 
+def test_generate_prints_logprobs_and_prompt_logprobs(tiny_model_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    from replayserve import LLM, SamplingParams
+
+    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "The quick brown fox", "--max-tokens", "3",
+            "--logprobs", "2", "--prompt-logprobs", "1", "--dtype", "float64", "--device", "cpu"]
+    code, out, err = _run(argv, capsys)
+    assert code == 0, err
+    llm = LLM(model=str(tiny_model_dir), dtype="float64", device="cpu")
+    want = llm.generate("The quick brown fox", SamplingParams(temperature=0.0, max_tokens=3, logprobs=2,
+                                                              prompt_logprobs=1), use_tqdm=False)[0]
+    head, completion = out.split("--- completion 0")
+    prompt_lines = head.split("prompt logprobs:\n")[1].splitlines()
+    assert len(prompt_lines) == len(want.prompt_token_ids) and prompt_lines[0].endswith(" -")
+    second = want.prompt_logprobs[1][want.prompt_token_ids[1]]
+    assert prompt_lines[1].startswith(f"  1: {second.decoded_token!r} {second.logprob:.4f} (rank {second.rank})")
+    token_lines = completion.split("logprobs:\n")[1].splitlines()
+    first = want.outputs[0].logprobs[0][want.outputs[0].token_ids[0]]
+    assert len(token_lines) == 3 and token_lines[0].startswith(f"  0: {first.decoded_token!r} {first.logprob:.4f} "
+                                                               "(rank 1); top: ")
+
+
 def test_make_tiny_refuses_a_non_empty_directory(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     (tmp_path / "keep.txt").write_text("mine")
     code, _, err = _run(["make-tiny", str(tmp_path)], capsys)
@@ -67,6 +88,10 @@ def test_make_tiny_refuses_a_non_empty_directory(tmp_path: Path, capsys: pytest.
     (["generate", "--model", "{model}", "--prompt", "x", "--temperature", "-1"], "temperature"),
     (["generate", "--model", "{model}", "--prompt", "x", "--max-tokens", "many"], "invalid int"),
     (["generate", "--model", "{model}", "--prompt", "x", "--block-size", "0", "--device", "cpu"], "block_size"),
+    (["generate", "--model", "{model}", "--prompt", "x", "--gpu-memory-utilization", "1.5", "--device", "cpu"],
+     "gpu_memory_utilization"),
+    (["generate", "--model", "{model}", "--prompt", "x", "--prompt-logprobs", "-1", "--device", "cpu"],
+     "prompt_logprobs"),
 ])
 def test_bad_invocations_exit_2_with_one_line(tiny_model_dir: Path, capsys: pytest.CaptureFixture, argv: list[str],
                                               message: str) -> None:

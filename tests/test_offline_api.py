@@ -9,9 +9,10 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+import torch
 
 import replayserve
-from replayserve import LLM, CompletionOutput, SamplingParams
+from replayserve import LLM, CompletionOutput, Logprob, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +51,36 @@ def test_cumulative_logprob_is_the_sum_of_the_sampled_tokens(llm: LLM) -> None:
     out = llm.generate({"prompt_token_ids": [9, 8, 7]}, SamplingParams(temperature=0.7, seed=1, logprobs=2,
                                                                      max_tokens=6), use_tqdm=False)[0].outputs[0]
     assert out.logprobs is not None and len(out.logprobs) == 6
-    want = sum(lp[t] for lp, t in zip(out.logprobs, out.token_ids, strict=True))
+    want = sum(lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids, strict=True))
     assert out.cumulative_logprob is not None and math.isclose(out.cumulative_logprob, want)
     assert out.cumulative_logprob < 0
+
+
+def test_logprobs_are_vllm_logprob_objects_with_ranks_and_text(llm: LLM) -> None:
+    """Ranks and log-probabilities against the whole distribution (logprobs=vocab), float64; a hot
+    temperature samples tokens outside the top 2, whose rank must still be exact."""
+    prompt = {"prompt_token_ids": [9, 8, 7, 6]}
+    vocab = llm.config.model.vocab_size
+    out = llm.generate(prompt, SamplingParams(temperature=3.0, seed=5, logprobs=2, max_tokens=12),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.logprobs is not None
+    outside_top = 0
+    for i, (token, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        full = llm.generate({"prompt_token_ids": prompt["prompt_token_ids"] + out.token_ids[:i]},
+                            SamplingParams(temperature=0.0, max_tokens=1, logprobs=vocab),
+                            use_tqdm=False)[0].outputs[0].logprobs[0]
+        assert len(full) == vocab
+        values = torch.tensor([full[t].logprob for t in range(vocab)], dtype=torch.float64)
+        order = values.argsort(descending=True).tolist()
+        assert set(lp) == {token, *order[:2]}
+        outside_top += token not in order[:2]
+        for t, entry in lp.items():
+            assert isinstance(entry, Logprob)
+            assert abs(entry.logprob - float(values[t])) < 1e-12
+            assert entry.rank == int((values >= values[t]).sum())
+            assert entry.decoded_token == llm.get_tokenizer().token_text(t)
+        assert [lp[t].rank for t in order[:2]] == [1, 2]
+    assert outside_top > 0
 
 
 def test_stop_reason_names_what_matched(llm: LLM) -> None:

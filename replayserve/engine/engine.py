@@ -11,6 +11,7 @@ import torch
 from replayserve.cache.manager import CacheManager
 from replayserve.config import EngineConfig
 from replayserve.engine.penalties import uses_history
+from replayserve.engine.prompt_logprobs import PromptScores
 from replayserve.engine.request import Request, SamplingParams, Status
 from replayserve.engine.runner import Runner
 from replayserve.engine.sampler import SampleResult
@@ -34,6 +35,8 @@ class Stop(NamedTuple):
 
 class Engine:
     def __init__(self, config: EngineConfig, model: NemotronHForCausalLM, tokenizer: Tokenizer | None) -> None:
+        if config.sized_by_memory:  # not sized by LLM: the defaults, which must fit
+            config.check_cache_fit()
         self.config = config
         self.tokenizer = tokenizer
         self.cache = CacheManager(
@@ -72,8 +75,9 @@ class Engine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer; the model directory has no tokenizer.json")
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"SamplingParams.logprobs={params.logprobs} is more than the vocabulary's {vocab} tokens")
+        for option in ("logprobs", "prompt_logprobs"):
+            if (k := getattr(params, option)) is not None and k > vocab:
+                raise ValueError(f"SamplingParams.{option}={k} is more than the vocabulary's {vocab} tokens")
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be < the vocabulary size {vocab}, "
                              f"got {list(params.stop_token_ids)}")
@@ -122,18 +126,25 @@ class Engine:
         generators = ([self._generators.get(r.request_id) for r in sampling] if self._generators
                       else [None] * len(sampling))
         rewind = [(g, g.get_state()) for g in generators if g is not None]
-        lengths = [(len(r.output_token_ids), len(r.output_logprobs)) for r in sampling]
+        lengths = [len(r.output_token_ids) for r in sampling]
+        scored = [(r, len(r.prompt_logprobs)) for s in plan.seqs if s.prompt_targets
+                  for r in (self.scheduler.unfinished[s.request_id],)]
         num_generated = self.num_generated_tokens
         try:
             histories = ([(r.prompt_token_ids, r.output_token_ids) for r in sampling]
                          if any(uses_history(r.params) for r in sampling) else None)
-            results = self.runner.execute(plan, [r.params for r in sampling], generators, histories)
+            results, prompt_scores = self.runner.execute(plan, [r.params for r in sampling], generators, histories)
+            for seq in plan.seqs:
+                if seq.request_id in prompt_scores:
+                    _add_prompt_scores(self.scheduler.unfinished[seq.request_id], seq.start_pos,
+                                       prompt_scores[seq.request_id])
             outcomes = [self._outcome(r, res) for r, res in zip(sampling, results, strict=True)]
             emitted: dict[str, int] = {}
             stopped: list[tuple[Request, Stop]] = []
-            for request, (tokens, logprobs, stop) in zip(sampling, outcomes, strict=True):
+            for request, (tokens, logprobs, ranks, stop) in zip(sampling, outcomes, strict=True):
                 request.output_token_ids.extend(tokens)
                 request.output_logprobs.extend(logprobs)
+                request.output_ranks.extend(ranks)
                 self.num_generated_tokens += len(tokens)
                 emitted[request.request_id] = len(tokens)
                 if stop is not None:
@@ -143,9 +154,11 @@ class Engine:
                 request.stop_reason = stop.cause
                 self._finish(request, stop.reason, stop.text)
         except BaseException:
-            for request, (n_tokens, n_logprobs) in zip(sampling, lengths, strict=True):
+            for request, n in zip(sampling, lengths, strict=True):
                 if request.status is not Status.FINISHED:  # a request that finished here is complete
-                    del request.output_token_ids[n_tokens:], request.output_logprobs[n_logprobs:]
+                    del request.output_token_ids[n:], request.output_logprobs[n:], request.output_ranks[n:]
+            for request, n in scored:
+                del request.prompt_logprobs[n:], request.prompt_ranks[n:]
             for gen, state in rewind:
                 gen.set_state(state)
             self.num_generated_tokens = num_generated
@@ -176,24 +189,25 @@ class Engine:
                 drafts[request.request_id] = tuple(proposed)[:room]
         return drafts
 
-    def _outcome(self, request: Request, result: SampleResult) -> tuple[list[int], list, Stop | None]:
+    def _outcome(self, request: Request, result: SampleResult) -> tuple[list[int], list, list[int], Stop | None]:
         """What a sampled result adds to a request, without changing it: the tokens it keeps (a
-        verify's are cut after the first one that stops it), their logprobs, and why it stops
-        (None: it goes on), with its final text."""
+        verify's are cut after the first one that stops it), their logprobs and ranks, and why it
+        stops (None: it goes on), with its final text."""
         if len(result.tokens) == 1 and result.logprobs is None:  # the common decode row
             new = [result.tokens[0]]
             stop = self._stop(request, new)
             if stop is not None and stop.text is None and self.tokenizer is not None:
                 stop = stop._replace(text=self.tokenizer.decode(request.output_token_ids + new))
-            return new, [], stop
+            return new, [], [], stop
         for i in range(len(result.tokens)):
             new = list(result.tokens[: i + 1])
             stop = self._stop(request, new)
             if stop is not None or i == len(result.tokens) - 1:
                 logprobs = [] if result.logprobs is None else list(result.logprobs[: i + 1])
+                ranks = [] if result.ranks is None else list(result.ranks[: i + 1])
                 if stop is not None and stop.text is None and self.tokenizer is not None:
                     stop = stop._replace(text=self.tokenizer.decode(request.output_token_ids + new))
-                return new, logprobs, stop
+                return new, logprobs, ranks, stop
         raise AssertionError("a sample result has at least one token")
 
     def _stop(self, request: Request, new: list[int]) -> Stop | None:
@@ -225,3 +239,13 @@ class Engine:
             self.runner.hidden_store.forget(request.request_id)
         self._generators.pop(request.request_id, None)
         request.text = text or ""
+
+
+def _add_prompt_scores(request: Request, start_pos: int, scores: PromptScores) -> None:
+    """Appends a chunk's prompt log-probabilities (its position start_pos + i scored prompt token
+    start_pos + i + 1); a chunk recomputed after a preemption scores tokens the request already
+    has, which are kept as they were."""
+    skip = len(request.prompt_logprobs) - start_pos
+    assert skip >= 0, "prompt chunks are scored in order, with no prefix hit between them"
+    request.prompt_logprobs.extend(scores.logprobs[skip:])
+    request.prompt_ranks.extend(scores.ranks[skip:])

@@ -37,6 +37,8 @@ class SamplingParams:
     top_k: -1 or 0 (off) or >= 1. seed: an int in [0, 2**64) or None.
     logprobs: return the top-`logprobs` log-probabilities of each generated token (plus the
     sampled token's own); None returns none. The engine also checks it against the vocabulary.
+    prompt_logprobs: likewise for each prompt token after the first, given the tokens before it;
+    such a request reads no prefix-cache hit until they are computed (a hit skips the positions).
     """
 
     temperature: float = 1.0
@@ -48,6 +50,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     n: int = 1
     min_tokens: int = 0
     presence_penalty: float = 0.0
@@ -76,6 +79,8 @@ class SamplingParams:
             (_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an int >= 1"),
             (self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
              "must be None or an int >= 0"),
+            (self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+             "prompt_logprobs", "must be None or an int >= 0"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
             (all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "must be non-negative ints"),
@@ -104,10 +109,12 @@ class SamplingParams:
 
     def for_completion(self, index: int) -> SamplingParams:
         """The params of completion ``index`` of ``n``: with a seed, completion i samples from
-        seed + i (mod 2**64), so the completions differ and each is reproducible on its own."""
-        if index == 0 or self.seed is None:
+        seed + i (mod 2**64), so the completions differ and each is reproducible on its own. The
+        prompt's log-probabilities are the same for every completion: the first scores them."""
+        if index == 0:
             return self
-        return dataclasses.replace(self, seed=(self.seed + index) % (MAX_SEED + 1))
+        seed = None if self.seed is None else (self.seed + index) % (MAX_SEED + 1)
+        return dataclasses.replace(self, seed=seed, prompt_logprobs=None)
 
 
 class Status(enum.Enum):
@@ -123,7 +130,13 @@ class Request:
     params: SamplingParams
     arrival: int
     output_token_ids: list[int] = field(default_factory=list)
+    # With SamplingParams.logprobs: per output token, {token id: log-probability} of it and the
+    # top-k (`SampleResult.logprobs`), and its rank; empty otherwise.
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    output_ranks: list[int] = field(default_factory=list)
+    # With SamplingParams.prompt_logprobs: the same for prompt tokens 1, 2, ... as they are scored.
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_ranks: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     # Tokens whose KV and state are in the cache; reset to 0 by preemption (recompute).
     num_computed_tokens: int = 0
@@ -142,6 +155,11 @@ class Request:
     block_hashes: list = field(default_factory=list)
     # mamba_cache_mode='align': a grid point where the prefill must keep a state (a branch point).
     branch_point: int | None = None
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt log-probabilities were asked for and some are not computed yet."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
 
     @property
     def all_token_ids(self) -> list[int]:

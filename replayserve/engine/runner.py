@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from replayserve.config import EngineConfig
 from replayserve.engine.cuda_graph import DecodeGraphs
+from replayserve.engine.prompt_logprobs import PromptScores, score_prompt
 from replayserve.engine.request import SamplingParams
 from replayserve.engine.sampler import SampleResult, sample
 from replayserve.engine.scheduler import StepPlan
@@ -38,6 +39,14 @@ def make_ssm_backend(config: EngineConfig, dtype: torch.dtype, device: torch.dev
                                          tokens_per_step=tokens)
         return ReplayBackend(layout, device)
     return BaselineBackend(MambaLayout.from_config(config.model, num_slots, dtype, tokens_per_step=tokens), device)
+
+
+class StepOutput(NamedTuple):
+    """What a step computed: one SampleResult per sampling sequence (in plan order), and the
+    prompt log-probabilities of the sequences with prompt_targets, by request id."""
+
+    samples: list[SampleResult]
+    prompt_scores: dict[str, PromptScores]
 
 
 class Runner:
@@ -124,8 +133,8 @@ class Runner:
     def execute(
         self, plan: StepPlan, params: list[SamplingParams], generators: list[torch.Generator | None],
         histories: list[tuple[list[int], list[int]]] | None = None,
-    ) -> list[SampleResult]:
-        """Runs the step; returns one result per sampling sequence (in plan order).
+    ) -> StepOutput:
+        """Runs the step; returns one result per sampling sequence and the prompt scores asked for.
 
         params, generators and (when some row uses penalties or min_tokens) histories, the
         (prompt, output) tokens so far, are given for the sequences with `sample` set, in plan order.
@@ -145,6 +154,7 @@ class Runner:
                 self.ssm.begin_step(decode_slots, self._ids(ctx.decode_lens, torch.int32))
             hidden = self.model(input_ids, ctx, self.kv_caches, self.ssm)
             logits = None
+        scores = self._score_prompts(plan, hidden) if width is None else {}  # graphed steps only decode
         results: list[SampleResult] = []
         if width == 1:  # a graphed plain decode step: row i samples at its one token, logits row i
             results = sample(logits, params, generators, None, histories, self.config.model.eos_token_ids)
@@ -167,7 +177,20 @@ class Runner:
             if width != 1:
                 self.ssm.end_step(decode_slots, self._ids(kept, torch.int32))
             self._publish_decode_boundaries(plan, kept)
-        return results
+        return StepOutput(results, scores)
+
+    def _score_prompts(self, plan: StepPlan, hidden: torch.Tensor) -> dict[str, PromptScores]:
+        """Prompt log-probabilities of the chunks that carry prompt_targets (prefill chunks: a
+        graphed decode step has none), from the leading positions' hidden states (T, D)."""
+        scores: dict[str, PromptScores] = {}
+        offset = 0
+        for seq in plan.seqs:
+            if seq.prompt_targets:
+                rows = hidden[offset : offset + len(seq.prompt_targets)]
+                scores[seq.request_id] = score_prompt(rows, seq.prompt_targets, seq.prompt_top_k,
+                                                      self.model.compute_logits)
+            offset += len(seq.token_ids)
+        return scores
 
     @staticmethod
     def _picks(plan: StepPlan) -> list[range]:

@@ -16,7 +16,7 @@ Per position, in float32 (float64 when the logits are float64):
    at their positions and emits the draws at positions 0..accepted; for one-hot drafts that is
    lossless rejection sampling, for greedy rows argmax prefix matching.
 4. Log-probabilities of the model's distribution (before temperature and truncation), only when
-   some row asks: the emitted token's and the top-k.
+   some row asks: the emitted token's with its rank, and the top-k.
 Tokens, accepted counts and the requested log-probabilities are packed into one tensor and reach
 the host in one transfer.
 
@@ -44,7 +44,9 @@ class SampleResult(NamedTuple):
     a large batch builds hundreds per step, and a frozen dataclass is slow to construct.)"""
 
     tokens: tuple[int, ...]
-    logprobs: tuple[dict[int, float], ...] | None  # per token: the sampled token's and the top-k
+    logprobs: tuple[dict[int, float], ...] | None  # per token: the sampled token's, then the top-k
+    # Per token, with logprobs: its rank in the model's distribution (`token_ranks`).
+    ranks: tuple[int, ...] | None = None
 
     @property
     def token(self) -> int:
@@ -211,7 +213,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
     k_max = max((k for k in batch.logprobs if k is not None), default=None)
     if k_max is not None:
         logprobs = torch.log_softmax(logits.to(dtype), dim=-1)
-        parts.append(logprobs.gather(-1, draws[:, None]))
+        chosen = logprobs.gather(-1, draws[:, None])
+        parts += [chosen, token_ranks(logprobs, chosen)]
         if k_max:
             top = logprobs.topk(k_max, dim=-1)
             parts += [top.indices, top.values]
@@ -220,27 +223,35 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
     return _results(host, batch, k_max or 0)
 
 
+def token_ranks(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """logprobs (N, V), chosen (N, 1) -> (N,) int64: the tokens at least as likely as the chosen
+    one, itself included (1 = the most likely; tied tokens share the larger rank, as in vLLM)."""
+    return (logprobs >= chosen).sum(dim=-1)
+
+
 def _results(host: list[float], batch: SamplingBatch, k_max: int) -> list[SampleResult]:
     """Unpacks `sample`'s transfer: draws (N), accepted (R), then with log-probabilities the
-    emitted tokens' (N), and the top-k_max ids and values (N x k_max each)."""
+    emitted tokens' (N) and ranks (N), and the top-k_max ids and values (N x k_max each)."""
     n, rows = batch.row_starts[-1], batch.num_rows
     draws, accepted = host[:n], host[n : n + rows]
     chosen = host[n + rows : 2 * n + rows]
-    top_ids = host[2 * n + rows : (2 + k_max) * n + rows]
-    top_vals = host[(2 + k_max) * n + rows :]
+    ranks = host[2 * n + rows : 3 * n + rows]
+    top_ids = host[3 * n + rows : (3 + k_max) * n + rows]
+    top_vals = host[(3 + k_max) * n + rows :]
     results = []
     for row, want in enumerate(batch.logprobs):
         positions = range(batch.row_starts[row], batch.row_starts[row] + int(accepted[row]) + 1)
         tokens = tuple(int(draws[i]) for i in positions)
-        lps = None
-        if want is not None:
-            lps = []
-            for i, token in zip(positions, tokens, strict=True):
-                lp = {token: chosen[i]}
-                top = slice(i * k_max, i * k_max + want)
-                lp.update(zip(map(int, top_ids[top]), top_vals[top], strict=True))
-                lps.append(lp)
-        results.append(SampleResult(tokens, None if lps is None else tuple(lps)))
+        if want is None:
+            results.append(SampleResult(tokens, None))
+            continue
+        lps = []
+        for i, token in zip(positions, tokens, strict=True):
+            lp = {token: chosen[i]}
+            top = slice(i * k_max, i * k_max + want)
+            lp.update(zip(map(int, top_ids[top]), top_vals[top], strict=True))
+            lps.append(lp)
+        results.append(SampleResult(tokens, tuple(lps), tuple(int(ranks[i]) for i in positions)))
     return results
 
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from replayserve.cache.manager import BoundaryWrite, CacheManager
+from replayserve.cache.manager import NO_HIT, BoundaryWrite, CacheManager
 from replayserve.config import MAMBA_CACHE_MODES
 from replayserve.engine.penalties import uses_history
 from replayserve.engine.request import Request, Status
@@ -33,6 +33,10 @@ class ScheduledSeq(NamedTuple):
     # Canonical Mamba states to write: the state after `position - start_pos` of this step's tokens.
     boundary_writes: tuple[BoundaryWrite, ...] = ()
     num_drafts: int = 0  # a speculative verify: token_ids = (last known token, *drafts)
+    # prompt_logprobs: the prompt tokens that this chunk's leading positions predict (position
+    # start_pos + i predicts prompt_targets[i]), and how many top tokens to report with each.
+    prompt_targets: tuple[int, ...] = ()
+    prompt_top_k: int = 0
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,8 @@ class Scheduler:
         # Admitting after a preemption would only take back the blocks just freed.
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            hit = self.cache.find_hit(request)
+            # A hit would skip positions whose logits score the prompt (engine/prompt_logprobs.py).
+            hit = NO_HIT if request.needs_prompt_logprobs else self.cache.find_hit(request)
             if self.mamba_cache_mode == "align" and hit.attention_tokens > hit.num_tokens:
                 # A branch point: keep a state where the cached KV ends, so one exists there next time.
                 grid = self.cache.state_block
@@ -185,6 +190,9 @@ class Scheduler:
             every = self.mamba_cache_mode == "all" or bool(drafts)
             writes = tuple(self.cache.plan_boundaries(request, start, n, every=every,
                                                       also=() if every else self._keep_points(request)))
+        targets: tuple[int, ...] = ()
+        if request.needs_prompt_logprobs and not drafts:  # positions p in [start, start + n) predict p + 1
+            targets = tuple(request.prompt_token_ids[start + 1 : min(start + n, len(request.prompt_token_ids) - 1) + 1])
         return ScheduledSeq(
             request_id=request.request_id,
             token_ids=tuple(request.token_range(start, start + n - len(drafts))) + drafts,
@@ -195,6 +203,8 @@ class Scheduler:
             sample=start + n - len(drafts) == request.num_tokens,
             boundary_writes=writes,
             num_drafts=len(drafts),
+            prompt_targets=targets,
+            prompt_top_k=request.params.prompt_logprobs or 0,
         )
 
     def _preempt(self, request: Request, count: bool = True) -> None:

@@ -75,7 +75,7 @@ def test_greedy_with_frequency_and_presence_penalties_follows_the_definition(llm
         lp = llm.generate({"prompt_token_ids": prompt + want}, SamplingParams(temperature=0.0, max_tokens=1,
                                                                               logprobs=vocab),
                           use_tqdm=False)[0].outputs[0].logprobs[0]
-        scores = {t: v - f * want.count(t) - (pres if t in want else 0.0) for t, v in lp.items()}
+        scores = {t: v.logprob - f * want.count(t) - (pres if t in want else 0.0) for t, v in lp.items()}
         want.append(max(scores, key=scores.get))
     plain = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=10,
                                                                       ignore_eos=True), use_tqdm=False)[0]

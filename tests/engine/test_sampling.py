@@ -58,8 +58,9 @@ def test_logprobs_are_top_k_of_the_model_distribution(llm: LLM) -> None:
     assert len(out.logprobs) == 5
     for token, lp in zip(out.token_ids, out.logprobs, strict=True):
         assert len(lp) == 3 and token in lp  # greedy: the sampled token is the top-1
-        assert lp[token] == max(lp.values()) and all(v <= 0 for v in lp.values())
-        assert sum(math.exp(v) for v in lp.values()) <= 1 + 1e-12
+        values = [entry.logprob for entry in lp.values()]
+        assert lp[token].logprob == max(values) and all(v <= 0 for v in values)
+        assert sum(math.exp(v) for v in values) <= 1 + 1e-12
 
 
 def test_stop_token_ids_eos_and_max_tokens(llm: LLM) -> None:
@@ -268,8 +269,10 @@ def test_logprobs_are_log_softmax_of_the_logits() -> None:
         assert results[3].tokens[:2] == (3, 3)
         for result, start, p in ((results[0], 0, params[0]), (results[2], 2, params[2]), (results[3], 3, params[3])):
             assert result.logprobs is not None and len(result.logprobs) == len(result.tokens)
+            assert result.ranks is not None
             for i, (token, lp) in enumerate(zip(result.tokens, result.logprobs, strict=True)):
                 assert next(iter(lp)) == token  # the sampled token comes first
+                assert result.ranks[i] == int((want[start + i] >= want[start + i, token]).sum())
                 top = set(want[start + i].topk(p.logprobs).indices.tolist())
                 assert set(lp) == top | {token}
                 for t, v in lp.items():

@@ -40,7 +40,7 @@ def _distribution(llm: LLM, prompt: list[int]) -> list[float]:
                        use_tqdm=False)[0]
     probs = [0.0] * V
     for token, lp in out.logprobs[0].items():
-        probs[token] = math.exp(lp)
+        probs[token] = math.exp(lp.logprob)
     return probs
 
 

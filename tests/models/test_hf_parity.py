@@ -118,9 +118,9 @@ def _check_teacher_forced(
         for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
             assert tok in lp, f"prompt {j} step {i}: sampled token {tok} missing from logprobs {lp}"
             want = rows[i, tok].item()
-            diff = abs(lp[tok] - want)
+            diff = abs(lp[tok].logprob - want)
             max_diff = max(max_diff, diff)
-            assert diff <= tol, f"prompt {j} step {i} token {tok}: ours {lp[tok]!r} vs HF {want!r} ({diff:.3e})"
+            assert diff <= tol, f"prompt {j} step {i} token {tok}: ours {lp[tok].logprob!r} vs HF {want!r} ({diff:.3e})"
             best = rows[i].max().item()
             assert want >= best - tol, (
                 f"prompt {j} step {i}: greedy picked {tok} (HF logprob {want:.6f}) but HF's argmax "
@@ -174,7 +174,7 @@ def test_top5_logprobs_float32(checkpoint: Callable[[str], Path]) -> None:
             # Greedy: the sampled token is one of the top k, so there is no extra entry.
             assert tok in lp and len(lp) == k, (j, i, lp)
             for t, v in lp.items():
-                diff = abs(v - rows[i, t].item())
+                diff = abs(v.logprob - rows[i, t].item())
                 max_diff = max(max_diff, diff)
                 assert diff <= F32_TOL, f"prompt {j} step {i} token {t}: ours {v!r} vs HF {rows[i, t].item()!r}"
             top = rows[i].topk(k + 1)
@@ -305,8 +305,8 @@ def _last_logprobs(model_dir: Path, dtype: str, prompts: list[list[int]]) -> lis
     llm = LLM(model=str(model_dir), dtype=dtype, device="cpu", max_num_seqs=len(prompts),
               max_num_batched_tokens=1024, block_size=BLOCK_SIZE)
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=TOP_K)
-    return [out.logprobs[0] for out in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                    use_tqdm=False)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [{t: lp.logprob for t, lp in out.logprobs[0].items()} for out in outs]
 
 
 def _hf_last(model_dir: Path, dtype: str, prompt: list[int]) -> torch.Tensor:

@@ -24,4 +24,4 @@ def test_decode_logprobs_equal_full_prefill(tiny_model_dir: Path) -> None:
         decode_lp, prefill_lp = out.logprobs[i], first.logprobs[0]
         assert decode_lp.keys() == prefill_lp.keys()
         for tok, lp in decode_lp.items():
-            assert abs(lp - prefill_lp[tok]) < 1e-10, (i, tok)
+            assert abs(lp.logprob - prefill_lp[tok].logprob) < 1e-10, (i, tok)

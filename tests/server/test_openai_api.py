@@ -105,10 +105,10 @@ def test_logprobs_equal_offline(client: OpenAI, offline: LLM) -> None:
                                                            logprobs=3), use_tqdm=False)[0].outputs[0]
     got = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=3,
                                     extra_body={"ignore_eos": True}).choices[0].logprobs
-    sampled = [lp[t] for lp, t in zip(expected.logprobs, expected.token_ids, strict=True)]
+    sampled = [lp[t].logprob for lp, t in zip(expected.logprobs, expected.token_ids, strict=True)]
     assert got.token_logprobs == pytest.approx(sampled, abs=1e-9)
     for top, alternatives in zip(got.top_logprobs, expected.logprobs, strict=True):
-        best = sorted(alternatives.values(), reverse=True)[:3]
+        best = sorted((a.logprob for a in alternatives.values()), reverse=True)[:3]
         # {text: logprob}: tokens whose texts are equal (bytes of a split character) share a key.
         assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(best[0])
         assert all(any(math.isclose(v, b) for b in best) for v in top.values())
