@@ -61,11 +61,13 @@ class NemotronHForCausalLM(nn.Module):
             self.lm_head.weight = self.backbone.embeddings.weight
 
     def cast_(self, dtype: torch.dtype) -> NemotronHForCausalLM:
-        """Casts to `dtype`, keeping MoE routers in the compute dtype (float32 for half models)."""
+        """Casts to `dtype`, keeping MoE routers in the compute dtype (float32 for half models);
+        each MoE layer's expert weights become views of its two stacks (`MoE.stacked_experts`)."""
         self.to(dtype)
         for module in self.modules():
             if isinstance(module, MoE):
                 module.gate.to(compute_dtype(dtype))
+                module.stacked_experts()
         return self
 
     def forward(
