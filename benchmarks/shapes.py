@@ -74,8 +74,7 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | st
     device = torch.device(device)
     with torch.device("meta"):
         model = NemotronHForCausalLM(cfg)
-    model.to_empty(device=device)
-    model.cast_(dtype)
+    model.allocate_(device, dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.backbone.embeddings.weight
     gen = torch.Generator(device=device).manual_seed(seed)

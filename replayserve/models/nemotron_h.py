@@ -70,6 +70,13 @@ class NemotronHForCausalLM(nn.Module):
                 module.stacked_experts()
         return self
 
+    def allocate_(self, device: torch.device | str, dtype: torch.dtype) -> NemotronHForCausalLM:
+        """Gives a model built on the meta device uninitialised weights on `device`, allocated in
+        `dtype` directly (float32 first would take 126 GB for a 30B model), then `cast_`."""
+        self.cast_(dtype)  # on the meta device: allocates nothing
+        self.to_empty(device=device)
+        return self.cast_(dtype)
+
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -27,8 +27,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# At most this many (token, k) pairs are aligned by the one-program kernel (decode steps).
-_ALIGN_IN_ONE_PROGRAM = 4096
+# At most this many (token, k) pairs are aligned by the one-program kernel (decode steps: one launch
+# instead of about 15); it walks the pairs in chunks, so larger batches take the PyTorch ops. Untuned.
+_ALIGN_IN_ONE_PROGRAM = 1024
 
 
 @triton.jit
@@ -206,7 +207,7 @@ def align_by_expert(ids: Tensor, num_experts: int, block_m: int,
         ids: (T, top_k) integer expert ids in [0, E).
         num_experts: E.
         block_m: rows per block; each expert's run is padded to a multiple of it.
-        one_program: the one-program Triton kernel (default: up to 4096 pairs) or PyTorch ops.
+        one_program: the one-program Triton kernel (default: up to 1024 pairs) or PyTorch ops.
 
     Returns:
         sorted_pairs: (max_blocks * block_m,) int32 pair indices t * top_k + k, by expert then
@@ -232,8 +233,7 @@ def align_by_expert(ids: Tensor, num_experts: int, block_m: int,
         0, flat.long(), torch.ones(num_pairs, dtype=torch.int64, device=dev))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
-    order = torch.sort(flat, stable=True).indices
-    by_expert = flat.long().gather(0, order)
+    by_expert, order = torch.sort(flat.long(), stable=True)
     rank = torch.arange(num_pairs, device=dev) - (counts.cumsum(0) - counts).gather(0, by_expert)
     place = (padded_end - padded).gather(0, by_expert) + rank
     sorted_pairs = torch.full((blocks * block_m,), num_pairs, dtype=torch.int32, device=dev)

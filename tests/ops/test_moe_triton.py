@@ -181,17 +181,32 @@ def test_stacked_experts_are_the_parameters() -> None:
     assert set(moe.state_dict()) >= {"experts.3.up_proj.weight", "experts.15.down_proj.weight"}
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="the CUDA test below runs this path for real")
+@pytest.mark.parametrize("latent", [False, True])
+def test_moe_layer_triton_path_in_the_interpreter(latent: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MoE.forward's Triton branch (router, stacks, latent projections, shared expert) on CPU."""
+    import replayserve.layers.mlp as mlp
+
+    monkeypatch.setattr(mlp, "triton_ok", lambda t: t.dtype == torch.float32)
+    moe = _random_moe(latent).float()
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(5))
+    want = _random_moe(latent).float().double()(x.double())
+    torch.testing.assert_close(moe(x).double(), want, atol=1e-4 * want.abs().max().item(), rtol=1e-4)
+
+
 @cuda_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("latent", [False, True])
 @pytest.mark.parametrize("num_tokens", [1, 37, 300])
 def test_moe_layer_on_cuda_equals_the_reference(dtype: torch.dtype, latent: bool, num_tokens: int) -> None:
-    moe = _random_moe(latent)
-    x = torch.randn(num_tokens, 64, dtype=torch.float64)
-    want = moe(x)
+    """The reference runs the same rounded weights and input in float64 (the CPU path), so that
+    only float32 against float64 router logits could change a choice."""
     cuda = _random_moe(latent).to(dtype).cuda()
     cuda.gate.float()
-    got = cuda(x.to(dtype).cuda())
+    ref = _random_moe(latent).to(dtype).double()
+    x = torch.randn(num_tokens, 64, generator=torch.Generator().manual_seed(num_tokens)).to(dtype)
+    want = ref(x.double())
+    got = cuda(x.cuda())
     scale = want.abs().max().item()
     torch.testing.assert_close(got.cpu().double(), want, atol=3 * TOL[dtype] * scale, rtol=3 * TOL[dtype])
 
