@@ -33,6 +33,16 @@ SIZES: dict[str, dict] = {
                       "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 21504,
                       "mamba_num_heads": 128, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8,
                       "conv_kernel": 4, "chunk_size": 128, "max_position_embeddings": 8192},
+    # nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B: 31.6B parameters (63 GB in bf16), ~3.5B active per token;
+    # 128 routed experts of 1856, top-6 in one group, and a shared expert of 3712 in each MoE layer.
+    "nemotron-3-nano-30b-a3b": {"vocab_size": 131072, "hidden_size": 2688, "num_attention_heads": 32,
+                                "num_key_value_heads": 2, "head_dim": 128, "intermediate_size": 1856,
+                                "mamba_num_heads": 64, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8,
+                                "conv_kernel": 4, "chunk_size": 128, "n_routed_experts": 128,
+                                "num_experts_per_tok": 6, "moe_intermediate_size": 1856,
+                                "moe_shared_expert_intermediate_size": 3712, "routed_scaling_factor": 2.5,
+                                "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+                                "max_position_embeddings": 8192},
 }
 LAYERS: dict[str, str] = {
     "tiny": "M*-ME",
@@ -40,6 +50,8 @@ LAYERS: dict[str, str] = {
     "medium": "M-M*-M-M*-ME",
     # 24 Mamba2, 24 MLP, 4 attention layers (the checkpoint's hybrid_override_pattern).
     "nemotron-h-8b": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+    # 23 Mamba2, 23 MoE, 6 attention layers.
+    "nemotron-3-nano-30b-a3b": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
 }
 
 
@@ -62,8 +74,7 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | st
     device = torch.device(device)
     with torch.device("meta"):
         model = NemotronHForCausalLM(cfg)
-    model.to_empty(device=device)
-    model.cast_(dtype)
+    model.allocate_(device, dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.backbone.embeddings.weight
     gen = torch.Generator(device=device).manual_seed(seed)

@@ -18,6 +18,7 @@ from replayserve.layers.mamba2 import Mamba2Mixer
 from replayserve.layers.mlp import MoE
 from replayserve.layers.step_context import StepContext
 from replayserve.models.nemotron_h import NemotronHForCausalLM
+from replayserve.ops.dtypes import triton_ok
 from replayserve.ssm.backend import SSMBackend
 from replayserve.ssm.baseline import BaselineBackend
 from replayserve.ssm.layout import MambaLayout
@@ -69,8 +70,10 @@ class Runner:
         self._mixers = sorted((m for m in model.modules() if isinstance(m, Mamba2Mixer)), key=lambda m: m.mamba_index)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            if any(isinstance(m, MoE) for m in model.modules()):  # its expert loop syncs on the host
-                logger.info("CUDA graphs are off: the MoE layers' expert dispatch is not graph-safe yet")
+            # The Triton MoE path is sync-free; the reference expert loop (other dtypes) asks the host.
+            if not triton_ok(weight) and any(isinstance(m, MoE) for m in model.modules()):
+                logger.info("CUDA graphs are off: MoE layers in %s run the reference expert loop, which syncs "
+                            "on the host; use float32, bfloat16 or float16", self.dtype)
             else:
                 self.graphs = self.make_decode_graphs(capture=True)
 

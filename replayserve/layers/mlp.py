@@ -8,6 +8,7 @@ from torch import nn
 from replayserve.config import ModelConfig
 from replayserve.ops.activation import relu_square_ref
 from replayserve.ops.dtypes import triton_ok
+from replayserve.ops.moe import fused_moe_ref, topk_route_ref
 
 
 class MLP(nn.Module):
@@ -41,20 +42,16 @@ class TopkRouter(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (T, hidden) -> expert ids (T, top_k) int64, weights (T, top_k) in the router dtype."""
-        scores = torch.sigmoid(x.to(self.weight.dtype) @ self.weight.t())
-        choice = scores + self.e_score_correction_bias
-        if self.n_group > 1:
-            grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
-            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
-            keep = torch.zeros_like(group_scores, dtype=torch.bool)
-            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, True)
-            choice = choice.masked_fill(~keep.repeat_interleave(self.num_experts // self.n_group, dim=1), -torch.inf)
-        ids = choice.topk(self.top_k, dim=-1).indices
-        weights = scores.gather(1, ids)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return ids, weights * self.scaling
+        """x (T, hidden) -> expert ids (T, top_k), weights (T, top_k) in the router dtype.
+
+        Ids are int64 from the reference, int32 from the Triton kernel (CUDA, router in fp32)."""
+        logits = x.to(self.weight.dtype) @ self.weight.t()
+        args = (self.top_k, self.n_group, self.topk_group, self.norm_topk_prob, self.scaling)
+        if triton_ok(logits) and logits.dtype == torch.float32:
+            from replayserve.ops.moe_triton import topk_route_triton
+
+            return topk_route_triton(logits, self.e_score_correction_bias, *args)
+        return topk_route_ref(logits, self.e_score_correction_bias, *args)
 
 
 class MoE(nn.Module):
@@ -72,13 +69,39 @@ class MoE(nn.Module):
             self.fc1_latent_proj = nn.Linear(cfg.hidden_size, cfg.moe_latent_size, bias=cfg.mlp_bias)
             self.fc2_latent_proj = nn.Linear(cfg.moe_latent_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
+    def stacked_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routed experts' weights as (E, I, W) up and (E, W, I) down projections.
+
+        Each expert's parameter (`experts.{e}.up_proj.weight`, the checkpoint's name) is made a view
+        of its slice, so the stacks cost no memory of their own and a load's in-place copies land in
+        them. Restacked where a parameter stopped being that view (replaced, or moved by `.to()`):
+        the models' `cast_` stacks at build time, so a forward normally only compares pointers."""
+        params = [m.up_proj.weight for m in self.experts] + [m.down_proj.weight for m in self.experts]
+        key = tuple(p.data_ptr() for p in params)
+        stacked = getattr(self, "_stacked", None)
+        if stacked is None or self._stacked_key != key:
+            num = len(self.experts)
+            with torch.no_grad():
+                stacked = (torch.stack([p.detach() for p in params[:num]]),
+                           torch.stack([p.detach() for p in params[num:]]))
+                for i, p in enumerate(params):
+                    p.data = stacked[i // num][i % num]
+            self._stacked = stacked
+            self._stacked_key = tuple(p.data_ptr() for p in params)
+        return stacked
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, hidden) -> (T, hidden)."""
+        """x (T, hidden) -> (T, hidden). On CUDA (fp32, bf16, fp16) the routed experts run as Triton
+        kernels without a host sync (CUDA-graph safe); elsewhere as the per-expert reference loop."""
         ids, weights = self.gate(x)
         routed_in = self.fc1_latent_proj(x)
-        routed = torch.zeros_like(routed_in, dtype=weights.dtype)
-        for e in ids.unique().tolist():
-            token, k = (ids == e).nonzero(as_tuple=True)
-            out = self.experts[e](routed_in[token]) * weights[token, k, None]
-            routed.index_add_(0, token, out.to(routed.dtype))
-        return self.fc2_latent_proj(routed.to(x.dtype)) + self.shared_experts(x)
+        w_up, w_down = self.stacked_experts()
+        shared = self.shared_experts(x)
+        if triton_ok(routed_in):
+            from replayserve.ops.moe_triton import fused_moe_triton
+
+            if isinstance(self.fc2_latent_proj, nn.Identity):  # the shared expert added in the same kernel
+                return fused_moe_triton(routed_in, w_up, w_down, ids, weights, add=shared)
+            return self.fc2_latent_proj(fused_moe_triton(routed_in, w_up, w_down, ids, weights)) + shared
+        routed = fused_moe_ref(routed_in, w_up, w_down, ids, weights)
+        return self.fc2_latent_proj(routed.to(x.dtype)) + shared

@@ -121,8 +121,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     with torch.device("meta"):
         model = NemotronHForCausalLM(cfg)
-    model.to_empty(device=device)
-    model.cast_(dtype)
+    model.allocate_(device, dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.backbone.embeddings.weight
     expected = dict(model.state_dict(keep_vars=True))

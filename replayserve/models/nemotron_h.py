@@ -61,12 +61,21 @@ class NemotronHForCausalLM(nn.Module):
             self.lm_head.weight = self.backbone.embeddings.weight
 
     def cast_(self, dtype: torch.dtype) -> NemotronHForCausalLM:
-        """Casts to `dtype`, keeping MoE routers in the compute dtype (float32 for half models)."""
+        """Casts to `dtype`, keeping MoE routers in the compute dtype (float32 for half models);
+        each MoE layer's expert weights become views of its two stacks (`MoE.stacked_experts`)."""
         self.to(dtype)
         for module in self.modules():
             if isinstance(module, MoE):
                 module.gate.to(compute_dtype(dtype))
+                module.stacked_experts()
         return self
+
+    def allocate_(self, device: torch.device | str, dtype: torch.dtype) -> NemotronHForCausalLM:
+        """Gives a model built on the meta device uninitialised weights on `device`, allocated in
+        `dtype` directly (float32 first would take 126 GB for a 30B model), then `cast_`."""
+        self.cast_(dtype)  # on the meta device: allocates nothing
+        self.to_empty(device=device)
+        return self.cast_(dtype)
 
     def forward(
         self,

@@ -21,24 +21,25 @@ def test_capture_buckets() -> None:
     assert capture_buckets(64) == (1, 2, 4, 8, 16, 32, 48, 64)
 
 
-@pytest.fixture(scope="module")
-def dense_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Mamba, attention and MLP layers (the MoE layers' dispatch is not graph-safe yet)."""
-    return make_tiny(tmp_path_factory.mktemp("dense"), seed=0, layers="M*-M*-")
+@pytest.fixture(scope="module", params=["M*-M*-", "M*EM*E"], ids=["dense", "moe"])
+def graph_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Mamba, attention and MLP layers, or MoE layers in place of the MLPs (their Triton path is
+    sync-free, so they are captured too)."""
+    return make_tiny(tmp_path_factory.mktemp("graph"), seed=0, layers=request.param)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU; exercised on the H200")
 @pytest.mark.parametrize("backend", ["baseline", "replay"])
 @pytest.mark.parametrize("extra", [{}, {"enable_prefix_caching": True, "mamba_cache_mode": "align"},
                                    {"speculative": {"method": "ngram", "num_speculative_tokens": 3}}])
-def test_graphed_decode_equals_eager(dense_model_dir: Path, backend: str, extra: dict) -> None:
+def test_graphed_decode_equals_eager(graph_model_dir: Path, backend: str, extra: dict) -> None:
     gen = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(3, 500, (n,), generator=gen).tolist()} for n in (5, 17, 30, 9, 3)]
     prompts.append(prompts[1])  # a prefix hit when caching is on
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, logprobs=0)
     outs = {}
     for eager in (True, False):
-        llm = LLM(model=str(dense_model_dir), dtype="float32", device="cuda", max_num_seqs=8, max_model_len=256,
+        llm = LLM(model=str(graph_model_dir), dtype="float32", device="cuda", max_num_seqs=8, max_model_len=256,
                   ssm_backend=backend, enforce_eager=eager, **extra)
         outs[eager] = llm.generate(prompts, params, use_tqdm=False)
         graphs = llm.engine.runner.graphs

@@ -1,0 +1,174 @@
+"""One MoE layer of a named shape, fused (Triton) against the reference (per-expert loop), per token count.
+
+For each T the layer runs on the same random input through both paths (after the comparison of
+their outputs) and is timed with CUDA events: the fused path eagerly and replayed as a CUDA graph
+(the decode path), the reference eagerly. Each row prints the microseconds per call, the bytes a
+call must read at least (the router, the shared expert and the experts the batch routes to, each
+once) against the copy bandwidth measured in the same run, and the FLOPs against the measured
+bf16 matmul rate.
+
+    python benchmarks/bench_moe.py                                       # H200: under a minute
+    python benchmarks/bench_moe.py --tokens 1 64 256 16384 --size medium --out DIR
+    python benchmarks/bench_moe.py --sweep                               # + GEMM tiles per T: minutes
+
+`--sweep` times the routed experts alone (`fused_moe_triton`, graphed) under each candidate
+`GemmConfig` and prints the best beside `default_config`'s, to retune that function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from roofline import _median_seconds, measure_rates  # noqa: E402
+from shapes import SIZES, model_config  # noqa: E402
+
+from replayserve.config import ModelConfig  # noqa: E402
+from replayserve.layers.mlp import MoE  # noqa: E402
+from replayserve.ops.moe import fused_moe_ref  # noqa: E402
+from replayserve.ops.moe_triton import GemmConfig, default_config, fused_moe_triton  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", choices=sorted(SIZES), default="nemotron-3-nano-30b-a3b")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 1024, 4096, 16384])
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--no-ref", action="store_true", help="skip the reference loop (slow at large T)")
+    p.add_argument("--sweep", action="store_true", help="time candidate GEMM tiles per T")
+    p.add_argument("--out", type=Path, help="write bench_moe.json here")
+    return p.parse_args(argv)
+
+
+@torch.no_grad()
+def random_moe(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> MoE:
+    """A MoE layer of `cfg` with fan-in scaled random weights, the router in fp32 as models keep it."""
+    with torch.device("meta"):
+        moe = MoE(cfg)
+    moe.to_empty(device=device).to(dtype)
+    moe.gate.float()
+    gen = torch.Generator(device=device).manual_seed(0)
+    for p in moe.parameters():
+        p.normal_(0.0, 1.5 / p.shape[-1] ** 0.5, generator=gen)
+    moe.gate.e_score_correction_bias.zero_()
+    moe.stacked_experts()
+    return moe
+
+
+def graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
+    """`fn` captured in a CUDA graph (after a warm-up that compiles its kernels); returns its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def bytes_and_flops(moe: MoE, x: torch.Tensor) -> tuple[int, int, int]:
+    """(bytes read at least, FLOPs, experts used) of one call on x (T, hidden)."""
+    ids, _ = moe.gate(x)
+    used = len(ids.unique())
+    w_up, _ = moe.stacked_experts()
+    expert = 2 * w_up[0].numel() * w_up.element_size()
+    shared = sum(p.numel() * p.element_size() for p in moe.shared_experts.parameters())
+    latent = sum(p.numel() * p.element_size() for m in (moe.fc1_latent_proj, moe.fc2_latent_proj)
+                 for p in m.parameters())
+    router = moe.gate.weight.numel() * moe.gate.weight.element_size()
+    io = 2 * x.numel() * x.element_size()
+    flops = 2 * x.shape[0] * (ids.shape[1] * expert + shared + latent) // x.element_size()
+    return used * expert + shared + latent + router + io, flops, used
+
+
+def reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The MoE layer's CPU path (the per-expert loop) on x's device."""
+    ids, weights = moe.gate(x)
+    routed = fused_moe_ref(moe.fc1_latent_proj(x), *moe.stacked_experts(), ids.long(), weights)
+    return moe.fc2_latent_proj(routed.to(x.dtype)) + moe.shared_experts(x)
+
+
+def measure(moe: MoE, x: torch.Tensor, rates: dict[str, float], args: argparse.Namespace) -> dict:
+    """One row: x (T, hidden) through the fused path (eager and graphed) and the reference."""
+    nbytes, flops, used = bytes_and_flops(moe, x)
+    fused_s = _median_seconds(lambda: moe(x), x.device, args.reps)
+    graph_s = _median_seconds(graphed(lambda: moe(x)), x.device, args.reps)
+    best = min(fused_s, graph_s)
+    row = {"tokens": x.shape[0], "experts_used": used, "fused_us": fused_s * 1e6, "graph_us": graph_s * 1e6,
+           "bytes": nbytes, "flops": flops, "bytes_share": nbytes / rates["copy_bytes_per_s"] / best,
+           "flops_share": flops / rates["matmul_flop_per_s"] / best, "ref_us": float("nan"),
+           "max_rel_err": float("nan")}
+    if not args.no_ref:
+        want = reference(moe, x).float()
+        row["max_rel_err"] = ((moe(x).float() - want).abs().max() / want.abs().max()).item()
+        row["ref_us"] = _median_seconds(lambda: reference(moe, x), x.device, max(3, args.reps // 4)) * 1e6
+    print(f"{x.shape[0]:>6} {used:>7} {fused_s * 1e6:>9.1f} {graph_s * 1e6:>9.1f} {row['ref_us']:>9.1f} "
+          f"{row['ref_us'] / (best * 1e6):>9.2f} {100 * row['bytes_share']:>7.1f}% {100 * row['flops_share']:>7.1f}% "
+          f"{row['max_rel_err']:>9.2e}", flush=True)
+    return row
+
+
+def sweep(moe: MoE, x: torch.Tensor, reps: int) -> dict:
+    """The routed experts on x (T, hidden) under each candidate tile config: the default's time and
+    the best's, in microseconds."""
+    ids, weights = moe.gate(x)
+    w_up, w_down = moe.stacked_experts()
+    default = default_config(ids.numel(), w_up.shape[0])
+    times: dict[GemmConfig, float] = {}
+    for config in {default, *candidates(default.block_m)}:
+        try:
+            run = graphed(lambda c=config: fused_moe_triton(x, w_up, w_down, ids, weights, config=c))
+        except Exception as e:  # noqa: BLE001 - a tile that does not fit (shared memory) is skipped
+            print(f"  skipped {config}: {type(e).__name__}", file=sys.stderr)
+            continue
+        times[config] = _median_seconds(run, x.device, reps) * 1e6
+    best = min(times, key=times.__getitem__)
+    print(f"  T={x.shape[0]}: default {times[default]:.1f} us {default}; best {times[best]:.1f} us {best}", flush=True)
+    return {"tokens": x.shape[0], "default_us": times[default], "best_us": times[best], "best": vars(best)}
+
+
+def candidates(block_m: int) -> list[GemmConfig]:
+    """Tiles around a default block_m: half to twice it, 16 to 128."""
+    ms = sorted({m for m in (block_m // 2, block_m, 2 * block_m) if 16 <= m <= 128})
+    return [GemmConfig(m, n, k, w, st) for m in ms for n in (32, 64, 128) for k in (64, 128) for w in (4, 8)
+            for st in (3, 4)]
+
+
+@torch.no_grad()
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    device = torch.device("cuda")
+    dtype = DTYPES[args.dtype]
+    cfg = model_config(args.size)
+    moe = random_moe(cfg, dtype, device)
+    rates = measure_rates(device, dtype)
+    print(f"{args.size}: {cfg.n_routed_experts} experts of {cfg.moe_intermediate_size}, top-{cfg.num_experts_per_tok}, "
+          f"hidden {cfg.hidden_size}; copy {rates['copy_bytes_per_s'] / 1e9:.0f} GB/s, "
+          f"matmul {rates['matmul_flop_per_s'] / 1e12:.0f} TFLOP/s")
+    print(f"{'T':>6} {'experts':>7} {'fused us':>9} {'graph us':>9} {'ref us':>9} {'ref/fused':>9} "
+          f"{'bytes %':>8} {'FLOPs %':>8} {'max err':>9}")
+    rows = [measure(moe, torch.randn(t, cfg.hidden_size, device=device, dtype=dtype), rates, args) for t in args.tokens]
+    sweeps = [sweep(moe, torch.randn(t, cfg.hidden_size, device=device, dtype=dtype), args.reps)
+              for t in (args.tokens if args.sweep else [])]
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_moe.json").write_text(json.dumps({"size": args.size, "dtype": args.dtype, "rates": rates,
+                                                             "rows": rows, "sweeps": sweeps}, indent=2))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""The Triton routed experts equal the references of ``replayserve.ops.moe``: routing (ids exact,
+weights to rounding), the alignment by expert (both of its implementations, against a plain
+construction), and the fused experts against a float64 reference, including experts without
+tokens, every token on the same experts, T=1 and sizes off the tile grid. fp32 in the interpreter
+on CPU; bf16 too, the MoE layer and a CUDA-graph replay on CUDA."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from replayserve.layers.mlp import MoE
+from replayserve.ops.moe import fused_moe_ref, topk_route_ref
+from replayserve.ops.moe_triton import (
+    GemmConfig,
+    align_by_expert,
+    default_config,
+    fused_moe_triton,
+    max_blocks,
+    topk_route_triton,
+)
+from replayserve.tiny import tiny_config
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+cuda_only = pytest.mark.skipif(DEVICE != "cuda", reason="exercised on the H200")
+
+
+@pytest.mark.parametrize(("num_experts", "top_k", "n_group", "topk_group", "norm", "scaling"), [
+    (8, 2, 1, 1, True, 1.0),
+    (16, 6, 4, 2, True, 2.5),
+    (12, 3, 3, 1, False, 1.5),  # groups of 3 (padded to 4 in the kernel), one group kept
+    (128, 6, 1, 1, True, 2.5),  # Nemotron-3-Nano's router
+])
+@pytest.mark.parametrize("num_tokens", [1, 9])
+def test_route_equals_the_reference(num_experts: int, top_k: int, n_group: int, topk_group: int, norm: bool,
+                                    scaling: float, num_tokens: int) -> None:
+    gen = torch.Generator().manual_seed(num_experts * 100 + num_tokens)
+    logits = torch.randn(num_tokens, num_experts, generator=gen) * 2
+    bias = torch.randn(num_experts, generator=gen) * 0.5
+    args = (top_k, n_group, topk_group, norm, scaling)
+    want_ids, want_w = topk_route_ref(logits.double(), bias.double(), *args)
+    ids, weights = topk_route_triton(logits.to(DEVICE), bias.to(DEVICE), *args)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert torch.equal(ids.cpu().long(), want_ids)
+    torch.testing.assert_close(weights.cpu().double(), want_w, atol=1e-6, rtol=1e-6)
+
+
+def _plain_alignment(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[list[int], list[int]]:
+    """Pairs by expert, each expert's run padded with T * top_k to a multiple of block_m; the
+    expert of each block."""
+    flat = ids.reshape(-1).tolist()
+    pairs: list[int] = []
+    owners: list[int] = []
+    for e in range(num_experts):
+        run = [p for p, x in enumerate(flat) if x == e]
+        run += [len(flat)] * (-len(run) % block_m)
+        pairs += run
+        owners += [e] * (len(run) // block_m)
+    return pairs, owners
+
+
+@pytest.mark.parametrize("one_program", [True, False])
+@pytest.mark.parametrize(("num_tokens", "top_k", "num_experts", "block_m"), [
+    (1, 6, 128, 16), (5, 2, 8, 16), (40, 4, 8, 32), (3, 2, 64, 16), (300, 2, 4, 16),
+])
+def test_align_by_expert(one_program: bool, num_tokens: int, top_k: int, num_experts: int, block_m: int) -> None:
+    gen = torch.Generator().manual_seed(num_tokens)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+    ids[num_tokens // 2:, 0] = 1  # a crowded expert
+    sorted_pairs, block_expert, num_padded = align_by_expert(ids.to(torch.int32).to(DEVICE), num_experts, block_m,
+                                                             one_program=one_program)
+    want_pairs, want_owners = _plain_alignment(ids, num_experts, block_m)
+    blocks = max_blocks(num_tokens * top_k, num_experts, block_m)
+    assert sorted_pairs.shape == (blocks * block_m,) and block_expert.shape == (blocks,)
+    assert num_padded.item() == len(want_pairs) <= blocks * block_m
+    assert sorted_pairs[:len(want_pairs)].tolist() == want_pairs
+    assert (sorted_pairs[len(want_pairs):] == num_tokens * top_k).all()
+    assert block_expert[:len(want_owners)].tolist() == want_owners
+
+
+def _small_tiles(num_pairs: int, num_experts: int) -> GemmConfig | None:
+    """The default tiles on CUDA; in the interpreter the default block_m with 16-wide N and K
+    steps (several tiles and K steps on tiny sizes, and fast)."""
+    if DEVICE == "cuda":
+        return None
+    return GemmConfig(block_m=default_config(num_pairs, num_experts).block_m, block_n=16, block_k=16)
+
+
+def _weights(num_experts: int, inner: int, width: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    w_up = torch.randn(num_experts, inner, width, generator=gen, dtype=torch.float64) / width**0.5
+    w_down = torch.randn(num_experts, width, inner, generator=gen, dtype=torch.float64) / inner**0.5
+    return w_up, w_down
+
+
+def _random_ids(num_tokens: int, num_experts: int, top_k: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("case", "num_tokens", "num_experts", "top_k", "width", "inner"), [
+    ("one token", 1, 8, 2, 32, 48),
+    ("odd sizes, idle experts", 7, 16, 3, 24, 40),
+    ("all on the same experts", 20, 8, 2, 32, 16),
+    ("many tokens", 70, 4, 2, 16, 32),
+])
+@pytest.mark.parametrize("with_add", [False, True])
+def test_fused_moe_equals_the_reference(dtype: torch.dtype, case: str, num_tokens: int, num_experts: int, top_k: int,
+                                        width: int, inner: int, with_add: bool) -> None:
+    gen = torch.Generator().manual_seed(num_tokens * 7 + width)
+    w_up, w_down = _weights(num_experts, inner, width, gen)
+    x = torch.randn(num_tokens, width, generator=gen, dtype=torch.float64)
+    ids = _random_ids(num_tokens, num_experts, top_k, gen)
+    if case == "all on the same experts":
+        ids[:] = torch.tensor([5, 2])
+    if case == "odd sizes, idle experts":
+        assert len(ids.unique()) < num_experts
+    weights = torch.rand(num_tokens, top_k, generator=gen, dtype=torch.float64) + 0.5
+    add = torch.randn(num_tokens, width, generator=gen, dtype=torch.float64) if with_add else None
+
+    def dev(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype).to(DEVICE)
+
+    # The reference on the same rounded inputs, in float64.
+    x_r, up_r, down_r = (dev(t).cpu().double() for t in (x, w_up, w_down))
+    want = fused_moe_ref(x_r, up_r, down_r, ids, weights.float().double())
+    if add is not None:
+        want = want + dev(add).cpu().double()
+    got = fused_moe_triton(dev(x), dev(w_up), dev(w_down), ids.to(torch.int32).to(DEVICE), weights.float().to(DEVICE),
+                           add=None if add is None else dev(add), config=_small_tiles(num_tokens * top_k, num_experts))
+    assert got.dtype == dtype and got.shape == (num_tokens, width)
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got.cpu().double(), want, atol=TOL[dtype] * scale, rtol=TOL[dtype])
+
+
+def test_fused_moe_has_a_token_route_to_a_wrong_expert_caught() -> None:
+    """The comparison above can fail: one token sent to another expert moves the output."""
+    gen = torch.Generator().manual_seed(3)
+    w_up, w_down = _weights(4, 16, 16, gen)
+    x = torch.randn(3, 16, generator=gen, dtype=torch.float64)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]])
+    weights = torch.ones(3, 2, dtype=torch.float64)
+    wrong = ids.clone()
+    wrong[1, 0] = 0
+    got = fused_moe_triton(x.float().to(DEVICE), w_up.float().to(DEVICE), w_down.float().to(DEVICE),
+                           wrong.to(torch.int32).to(DEVICE), weights.float().to(DEVICE), config=_small_tiles(6, 4))
+    assert not torch.allclose(got.cpu().double(), fused_moe_ref(x, w_up, w_down, ids, weights), atol=1e-3)
+
+
+def _moe_config(latent: bool) -> object:
+    return dataclasses.replace(tiny_config("E"), hidden_size=64, n_routed_experts=16, num_experts_per_tok=4,
+                               moe_intermediate_size=48, moe_shared_expert_intermediate_size=32, n_group=4,
+                               topk_group=2, routed_scaling_factor=2.5, moe_latent_size=32 if latent else None)
+
+
+def _random_moe(latent: bool, seed: int = 0) -> MoE:
+    torch.manual_seed(seed)
+    moe = MoE(_moe_config(latent)).double()
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+        moe.gate.e_score_correction_bias.copy_(torch.randn(moe.gate.num_experts) * 0.1)
+    return moe
+
+
+def test_stacked_experts_are_the_parameters() -> None:
+    moe = _random_moe(latent=False)
+    w_up, w_down = moe.stacked_experts()
+    assert w_up.shape == (16, 48, 64) and w_down.shape == (16, 64, 48)
+    with torch.no_grad():
+        moe.experts[3].up_proj.weight.fill_(0.5)  # an in-place load lands in the stack
+    assert (w_up[3] == 0.5).all()
+    assert moe.stacked_experts()[0] is w_up
+    moe.float()  # moved parameters are stacked again
+    w_up32, _ = moe.stacked_experts()
+    assert w_up32.dtype == torch.float32 and (w_up32[3] == 0.5).all()
+    assert moe.experts[3].up_proj.weight.data_ptr() == w_up32[3].data_ptr()
+    assert set(moe.state_dict()) >= {"experts.3.up_proj.weight", "experts.15.down_proj.weight"}
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the CUDA test below runs this path for real")
+@pytest.mark.parametrize("latent", [False, True])
+def test_moe_layer_triton_path_in_the_interpreter(latent: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MoE.forward's Triton branch (router, stacks, latent projections, shared expert) on CPU."""
+    import replayserve.layers.mlp as mlp
+
+    monkeypatch.setattr(mlp, "triton_ok", lambda t: t.dtype == torch.float32)
+    moe = _random_moe(latent).float()
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(5))
+    want = _random_moe(latent).float().double()(x.double())
+    torch.testing.assert_close(moe(x).double(), want, atol=1e-4 * want.abs().max().item(), rtol=1e-4)
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("latent", [False, True])
+@pytest.mark.parametrize("num_tokens", [1, 37, 300])
+def test_moe_layer_on_cuda_equals_the_reference(dtype: torch.dtype, latent: bool, num_tokens: int) -> None:
+    """The reference runs the same rounded weights and input in float64 (the CPU path), so that
+    only float32 against float64 router logits could change a choice."""
+    cuda = _random_moe(latent).to(dtype).cuda()
+    cuda.gate.float()
+    ref = _random_moe(latent).to(dtype).double()
+    x = torch.randn(num_tokens, 64, generator=torch.Generator().manual_seed(num_tokens)).to(dtype)
+    want = ref(x.double())
+    got = cuda(x.cuda())
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got.cpu().double(), want, atol=3 * TOL[dtype] * scale, rtol=3 * TOL[dtype])
+
+
+@cuda_only
+def test_moe_layer_replays_in_a_cuda_graph() -> None:
+    moe = _random_moe(latent=False).to(torch.bfloat16).cuda()
+    moe.gate.float()
+    static_x = torch.randn(8, 64, dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        moe(static_x)  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = moe(static_x)
+    for seed in range(3):
+        static_x.copy_(torch.randn(8, 64, generator=torch.Generator().manual_seed(seed)).to(static_x))
+        graph.replay()
+        assert torch.equal(static_out, moe(static_x))
