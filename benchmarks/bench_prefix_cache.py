@@ -11,9 +11,13 @@ per request is that clock at its first sampled token, throughput is generated to
 clock at the end; both are medians over ``--repeats`` rounds; "vs none (paired)" is the median
 over rounds of the throughput ratio to ``mamba_cache_mode='none'`` in the same round. Every
 configuration is checked to produce the same greedy tokens as caching off. The model is a random
-Nemotron-H built locally (`--size tiny|medium`).
+Nemotron-H of a named shape (`benchmarks/shapes.py`), built in memory on the device once and
+shared by every engine (each engine owns its caches); each engine's KV blocks hold `--requests`
+sequences, its boundary-state slots are `--state-slots` per request.
 
     python benchmarks/bench_prefix_cache.py [--device cuda] [--size medium] [--requests 32] [--out r.json]
+    python benchmarks/bench_prefix_cache.py --device cuda --size nemotron-h-8b --requests 32 --prefix 1024 \
+        --repeats 3                                                                   # H200: ~3 min
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ import gc
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,10 +35,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from shapes import LAYERS, SIZES  # noqa: E402
+from shapes import SIZES, model_config, random_model  # noqa: E402
 
-from replayserve import LLM, SamplingParams  # noqa: E402
-from replayserve.tiny import make_tiny  # noqa: E402
+from replayserve import SamplingParams  # noqa: E402
+from replayserve.config import EngineConfig  # noqa: E402
+from replayserve.engine.engine import Engine  # noqa: E402
+from replayserve.models.nemotron_h import NemotronHForCausalLM  # noqa: E402
 
 CONFIGS = [("off", "none"), ("on", "none"), ("on", "align"), ("on", "all")]
 
@@ -51,12 +56,12 @@ def prompts(n: int, prefix: int, suffix: int, shared: bool, vocab: int, seed: in
     return out
 
 
-def run_wave(llm: LLM, wave: list[list[int]], max_tokens: int) -> tuple[list[float], float, list[list[int]]]:
+def run_wave(engine: Engine, wave: list[list[int]], max_tokens: int) -> tuple[list[float], float, list[list[int]]]:
     """TTFTs (s), wall time (s) and outputs of one wave submitted at once, served alone."""
-    return run_lockstep({None: llm}, wave, max_tokens)[None][:3]
+    return run_lockstep({None: engine}, wave, max_tokens)[None][:3]
 
 
-def run_lockstep(llms: dict, wave: list[list[int]], max_tokens: int) -> dict:
+def run_lockstep(engines: dict, wave: list[list[int]], max_tokens: int) -> dict:
     """Every engine serves the wave, one step each in turn: {key: (TTFTs, clock, outputs, split)},
     where an engine's clock is the sum of its own step times (each step ends with a device sync,
     so no work of one engine runs into another's step) and split is (prefill steps, prefill
@@ -64,23 +69,23 @@ def run_lockstep(llms: dict, wave: list[list[int]], max_tokens: int) -> dict:
     The garbage collector is off while the wave runs: its pauses would land on whichever
     engine's step they hit."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    device = next(iter(llms.values())).config.device
+    device = next(iter(engines.values())).config.device
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    requests = {k: [llm.engine.add_request(p, params) for p in wave] for k, llm in llms.items()}
-    clock = dict.fromkeys(llms, 0.0)
-    split = {k: [0, 0.0, 0.0] for k in llms}
-    first: dict = {k: {} for k in llms}
-    active, turn = list(llms), 0
+    requests = {k: [engine.add_request(p, params) for p in wave] for k, engine in engines.items()}
+    clock = dict.fromkeys(engines, 0.0)
+    split = {k: [0, 0.0, 0.0] for k in engines}
+    first: dict = {k: {} for k in engines}
+    active, turn = list(engines), 0
     gc.collect()
     gc.disable()
     sync()
     try:
         while active:
             for k in active[turn % len(active):] + active[: turn % len(active)]:
-                scheduler = llms[k].engine.scheduler
+                scheduler = engines[k].scheduler
                 prefill = bool(scheduler.waiting) or any(not r.decoding for r in scheduler.running)
                 t0 = time.perf_counter()
-                llms[k].engine.step()
+                engines[k].step()
                 sync()
                 took = time.perf_counter() - t0
                 clock[k] += took
@@ -89,12 +94,12 @@ def run_lockstep(llms: dict, wave: list[list[int]], max_tokens: int) -> dict:
                 for r in requests[k]:
                     if r.output_token_ids and r.request_id not in first[k]:
                         first[k][r.request_id] = clock[k]
-            active = [k for k in active if llms[k].engine.has_unfinished()]
+            active = [k for k in active if engines[k].has_unfinished()]
             turn += 1
     finally:
         gc.enable()
     return {k: ([first[k][r.request_id] for r in requests[k]], clock[k], [r.output_token_ids for r in requests[k]],
-                tuple(split[k])) for k in llms}
+                tuple(split[k])) for k in engines}
 
 
 def twin(records: list[dict], r: dict, caching: str, mode: str) -> dict:
@@ -103,12 +108,14 @@ def twin(records: list[dict], r: dict, caching: str, mode: str) -> dict:
                 == (r["backend"], r["shared"], caching, mode))
 
 
-def make_llm(model_dir: Path, args: argparse.Namespace, backend: str, caching: str, mode: str) -> LLM:
-    return LLM(str(model_dir), dtype=args.dtype, device=args.device, max_num_seqs=args.requests,
-               max_num_batched_tokens=args.budget, block_size=args.block_size,
-               max_model_len=args.prefix + args.suffix + args.max_tokens + 16, ssm_backend=backend,
-               enable_prefix_caching=caching == "on", mamba_cache_mode=mode,
-               num_mamba_cache_slots=4 * args.requests if mode != "none" else None)
+def make_engine(model: NemotronHForCausalLM, args: argparse.Namespace, backend: str, caching: str,
+                mode: str) -> Engine:
+    config = EngineConfig(model=model.config, dtype=args.dtype, device=args.device, max_num_seqs=args.requests,
+                          max_num_batched_tokens=args.budget, block_size=args.block_size,
+                          max_model_len=args.prefix + args.suffix + args.max_tokens + 16, ssm_backend=backend,
+                          enable_prefix_caching=caching == "on", mamba_cache_mode=mode,
+                          num_mamba_cache_slots=args.state_slots * args.requests if mode != "none" else None)
+    return Engine(config, model, tokenizer=None)
 
 
 def main() -> None:
@@ -125,15 +132,17 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", default=["baseline", "replay"])
     parser.add_argument("--workloads", nargs="+", choices=["shared", "unique"], default=["shared", "unique"])
     parser.add_argument("--repeats", type=int, default=5, help="rounds of waves; medians are reported")
+    parser.add_argument("--state-slots", type=int, default=4,
+                        help="boundary-state slots per request (num_mamba_cache_slots / requests)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    model_dir = make_tiny(tempfile.mkdtemp(), seed=0, layers=LAYERS[args.size], **SIZES[args.size])
+    model = random_model(model_config(args.size), getattr(torch, args.dtype), args.device, seed=0)
     configs = [(backend, caching, mode) for backend in args.backends for caching, mode in CONFIGS]
-    engines = {c: make_llm(model_dir, args, *c) for c in configs}
+    engines = {c: make_engine(model, args, *c) for c in configs}
     vocab = next(iter(engines.values())).config.model.vocab_size
-    for llm in engines.values():  # compiles kernels, and serves the system prompt once
-        run_wave(llm, prompts(1, args.prefix, args.suffix, True, vocab, seed=1), 2)
+    for engine in engines.values():  # compiles kernels, and serves the system prompt once
+        run_wave(engine, prompts(1, args.prefix, args.suffix, True, vocab, seed=1), 2)
     records = []
     for shared in [w == "shared" for w in args.workloads]:
         samples: dict[tuple, list[tuple[float, float, tuple]]] = {c: [] for c in configs}

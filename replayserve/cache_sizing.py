@@ -1,7 +1,12 @@
 """`gpu_memory_utilization`: on CUDA, the KV blocks and cached Mamba states that are not given are
-sized from the memory left once the weights are loaded, as vLLM sizes its KV cache.
+sized from the memory left once the weights are loaded, as vLLM (V1) sizes its KV cache.
 
-    budget = total * gpu_memory_utilization - in use (weights, other processes) - activation reserve
+    budget = total * gpu_memory_utilization - held by this process (weights) - activation reserve
+
+The fraction is this engine's share of the card, as in vLLM: other processes on the same GPU do
+not shrink it, but what it plans must be free now (else a ConfigError says how much others hold).
+Without prefix caching no more KV blocks are made than `max_num_seqs` sequences of `max_model_len`
+can use (the CPU default); with it, the whole budget is spent, since more blocks keep more prefixes.
 
 The live Mamba slots (one per running sequence, `max_num_seqs`), the pad block and the pad slot
 must exist whatever the budget, so they come off first. The rest buys whole *units*: the KV blocks
@@ -46,7 +51,7 @@ class CachePlan:
     kv_bytes: int  # as `cache_memory.cache_bytes` counts them: pad block and pad slot included
     mamba_bytes: int
     budget: int  # bytes the caches may take
-    in_use: int  # bytes in use on the device when measured (weights, other processes)
+    in_use: int  # bytes this process held when measured (weights)
     activation_reserve: int
 
     def apply(self, config: EngineConfig) -> EngineConfig:
@@ -56,7 +61,7 @@ class CachePlan:
 
     def describe(self, config: EngineConfig) -> str:
         return (f"gpu_memory_utilization={config.gpu_memory_utilization}: {self.budget / GiB:.2f} GiB for caches "
-                f"({self.in_use / GiB:.2f} GiB in use after loading weights, {self.activation_reserve / GiB:.2f} GiB "
+                f"({self.in_use / GiB:.2f} GiB held after loading weights, {self.activation_reserve / GiB:.2f} GiB "
                 f"kept for activations): {self.num_kv_blocks} KV blocks of {config.block_size} tokens "
                 f"({self.kv_bytes / GiB:.2f} GiB), {config.max_num_seqs} live + {self.num_mamba_cache_slots} cached "
                 f"Mamba state slots ({self.mamba_bytes / GiB:.2f} GiB)")
@@ -89,15 +94,17 @@ def activation_reserve(config: EngineConfig) -> int:
     return reserve + 3 * rows * m.vocab_size * wide  # logits, log-softmax and a filtered copy
 
 
-def plan_cache_sizes(config: EngineConfig, free: int, total: int) -> CachePlan:
+def plan_cache_sizes(config: EngineConfig, free: int, total: int, own: int) -> CachePlan:
     """Sizes the KV blocks and cached Mamba states `config` leaves unset (module docstring) from
-    the device's `free` and `total` bytes, measured after the weights are loaded. A pure function.
+    the device's `free` and `total` bytes and the `own` bytes this process holds, measured after
+    the weights are loaded. A pure function.
 
     Raises:
-        ConfigError naming gpu_memory_utilization when the budget cannot hold one sequence.
+        ConfigError naming gpu_memory_utilization when the budget cannot hold one sequence, or
+        when what it plans is not free on the device.
     """
     dtype = getattr(torch, config.dtype)
-    in_use = total - free
+    in_use = own
     reserve = activation_reserve(config)
     budget = int(total * config.gpu_memory_utilization) - in_use - reserve
 
@@ -119,15 +126,24 @@ def plan_cache_sizes(config: EngineConfig, free: int, total: int) -> CachePlan:
         blocks = (room - slots * per_slot) // per_block
     elif slots is None:
         slots = (room - blocks * per_block) // per_slot if per_slot else config.max_num_seqs
+    if not config.enable_prefix_caching and config.num_kv_blocks is None:
+        blocks = min(blocks, config.max_num_seqs * config.blocks_per_seq)  # more could never be used
     if blocks < config.blocks_per_seq or slots < (1 if cached else 0):
         need = fixed + config.blocks_per_seq * per_block + states_per_seq * per_slot
         raise ConfigError(
             f"engine option gpu_memory_utilization: {config.gpu_memory_utilization} of {total / GiB:.2f} GiB leaves "
-            f"{max(budget, 0) / GiB:.2f} GiB for caches ({in_use / GiB:.2f} GiB in use, {reserve / GiB:.2f} GiB "
-            f"kept for activations of max_num_batched_tokens={config.max_num_batched_tokens}); one sequence of "
+            f"{max(budget, 0) / GiB:.2f} GiB for caches ({in_use / GiB:.2f} GiB held by this process, "
+            f"{reserve / GiB:.2f} GiB kept for activations of max_num_batched_tokens="
+            f"{config.max_num_batched_tokens}); one sequence of "
             f"max_model_len={config.resolved_max_model_len} needs {need / GiB:.2f} GiB: raise gpu_memory_utilization "
             "or lower max_model_len, max_num_batched_tokens or max_num_seqs")
     kv, mamba = cache_bytes_for(config, dtype, blocks, slots)
+    if kv + mamba + reserve > free:
+        raise ConfigError(
+            f"engine option gpu_memory_utilization: {config.gpu_memory_utilization} of {total / GiB:.2f} GiB plans "
+            f"{(kv + mamba) / GiB:.2f} GiB of caches and {reserve / GiB:.2f} GiB for activations, but only "
+            f"{free / GiB:.2f} GiB are free ({max(total - free - own, 0) / GiB:.2f} GiB held by other processes): "
+            "lower gpu_memory_utilization or give num_kv_blocks")
     return CachePlan(blocks, slots, kv, mamba, budget, in_use, reserve)
 
 
@@ -136,8 +152,9 @@ def size_caches(config: EngineConfig) -> EngineConfig:
     weights are loaded) and logged; any other config unchanged."""
     if not config.sized_by_memory:
         return config
+    device = torch.device(config.device)
     torch.cuda.empty_cache()  # loading may leave freed blocks in torch's cache, which mem_get_info counts as used
-    free, total = torch.cuda.mem_get_info(torch.device(config.device))
-    plan = plan_cache_sizes(config, free, total)
+    free, total = torch.cuda.mem_get_info(device)
+    plan = plan_cache_sizes(config, free, total, own=torch.cuda.memory_reserved(device))
     logger.info(plan.describe(config))
     return plan.apply(config)

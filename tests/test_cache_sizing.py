@@ -1,6 +1,8 @@
-"""gpu_memory_utilization: the plan spends total * utilization - in use - activation reserve on whole
-units of (one max_model_len sequence's KV blocks + its cached states), the rest on KV blocks; the
-engine allocates exactly what was planned; bad values and too small budgets name the option."""
+"""gpu_memory_utilization: the plan spends total * utilization - held by this process - activation
+reserve on whole units of (one max_model_len sequence's KV blocks + its cached states), the rest on
+KV blocks; without prefix caching no more blocks than max_num_seqs sequences use; the engine
+allocates exactly what was planned; bad values, too small budgets and plans that are not free name
+the option."""
 
 from __future__ import annotations
 
@@ -40,10 +42,9 @@ def _prices(config: EngineConfig) -> tuple[int, int, int]:
     return cost(bps, 1) - bps * per_block - per_slot, per_block, per_slot
 
 
-def _free_for(config: EngineConfig, budget: int, total: int = GiB) -> int:
-    """The free bytes that leave `budget` for the caches at this utilization."""
-    in_use = int(total * config.gpu_memory_utilization) - activation_reserve(config) - budget
-    return total - in_use
+def _own_for(config: EngineConfig, budget: int, total: int = GiB) -> int:
+    """The bytes this process holds that leave `budget` for the caches at this utilization."""
+    return int(total * config.gpu_memory_utilization) - activation_reserve(config) - budget
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +54,11 @@ def model(tiny_model_dir: Path) -> ModelConfig:
 
 @pytest.mark.parametrize(("mode", "states_per_seq"), [("none", 0), ("align", 1), ("all", 4)])  # 64 / 16 = 4
 def test_the_budget_buys_whole_units_then_kv_blocks(model: ModelConfig, mode: str, states_per_seq: int) -> None:
-    config = _config(model, mode)
+    config = dataclasses.replace(_config(model, mode), enable_prefix_caching=True)  # "none": KV-only caching
     fixed, per_block, per_slot = _prices(config)
     unit = config.blocks_per_seq * per_block + states_per_seq * per_slot
     budget = fixed + 3 * unit + unit // 2
-    plan = plan_cache_sizes(config, free=_free_for(config, budget), total=GiB)
+    plan = plan_cache_sizes(config, free=GiB, total=GiB, own=_own_for(config, budget))
     assert plan.budget == budget and plan.activation_reserve == activation_reserve(config)
     assert plan.num_mamba_cache_slots == 3 * states_per_seq
     assert plan.num_kv_blocks == 3 * config.blocks_per_seq + (unit // 2) // per_block
@@ -65,14 +66,38 @@ def test_the_budget_buys_whole_units_then_kv_blocks(model: ModelConfig, mode: st
     assert spent == plan.kv_bytes + plan.mamba_bytes and budget - per_block < spent <= budget
 
 
+def test_without_prefix_caching_no_more_blocks_than_max_num_seqs_use(model: ModelConfig) -> None:
+    config = _config(model)
+    assert not config.enable_prefix_caching
+    fixed, per_block, _ = _prices(config)
+    roomy = plan_cache_sizes(config, free=GiB, total=GiB, own=_own_for(config, fixed + 100 * per_block))
+    assert roomy.num_kv_blocks == config.max_num_seqs * config.blocks_per_seq == 24
+    tight = plan_cache_sizes(config, free=GiB, total=GiB, own=_own_for(config, fixed + 11 * per_block))
+    assert tight.num_kv_blocks == 11
+
+
+def test_a_plan_that_is_not_free_names_the_option_and_others_do_not_shrink_it(model: ModelConfig) -> None:
+    """The fraction is this engine's share (vLLM V1): memory other processes hold does not enter
+    the budget, but the planned caches and the activation reserve must be free."""
+    config = _config(model, "align")
+    fixed, per_block, per_slot = _prices(config)
+    own = _own_for(config, fixed + 40 * per_block + 10 * per_slot)
+    plan = plan_cache_sizes(config, free=GiB // 2, total=GiB, own=own)
+    needed = plan.kv_bytes + plan.mamba_bytes + plan.activation_reserve
+    assert plan_cache_sizes(config, free=needed, total=GiB, own=own) == plan
+    with pytest.raises(ConfigError, match=r"engine option gpu_memory_utilization: 0.5 of 1.00 GiB plans .* only "
+                                          r".* GiB are free .* held by other processes.*lower gpu_memory_utilization"):
+        plan_cache_sizes(config, free=needed - 1, total=GiB, own=own)
+
+
 def test_a_given_size_is_kept_and_the_other_takes_the_rest(model: ModelConfig) -> None:
     config = _config(model, "align")
     fixed, per_block, per_slot = _prices(config)
     budget = fixed + 40 * per_block + 10 * per_slot
-    free = _free_for(config, budget)
-    blocks_given = plan_cache_sizes(dataclasses.replace(config, num_kv_blocks=30), free, GiB)
+    own = _own_for(config, budget)
+    blocks_given = plan_cache_sizes(dataclasses.replace(config, num_kv_blocks=30), GiB, GiB, own)
     assert blocks_given.num_kv_blocks == 30 and blocks_given.num_mamba_cache_slots == (10 * per_block) // per_slot + 10
-    slots_given = plan_cache_sizes(dataclasses.replace(config, num_mamba_cache_slots=2), free, GiB)
+    slots_given = plan_cache_sizes(dataclasses.replace(config, num_mamba_cache_slots=2), GiB, GiB, own)
     assert slots_given.num_mamba_cache_slots == 2 and slots_given.num_kv_blocks == 40 + (8 * per_slot) // per_block
 
 
@@ -80,7 +105,7 @@ def test_a_given_size_is_kept_and_the_other_takes_the_rest(model: ModelConfig) -
 def test_the_engine_allocates_what_was_planned(tiny_model_dir: Path, model: ModelConfig, mode: str) -> None:
     config = _config(model, mode)
     fixed, per_block, per_slot = _prices(config)
-    plan = plan_cache_sizes(config, _free_for(config, fixed + 21 * per_block + 5 * per_slot), GiB)
+    plan = plan_cache_sizes(config, GiB, GiB, _own_for(config, fixed + 21 * per_block + 5 * per_slot))
     sized = plan.apply(config)
     engine = Engine(sized, load_model(str(tiny_model_dir), torch.float32, torch.device("cpu")), None)
     runner = engine.runner
@@ -96,10 +121,10 @@ def test_too_small_a_budget_names_the_option(model: ModelConfig) -> None:
     config = _config(model, "align")
     fixed, per_block, per_slot = _prices(config)
     one_seq = fixed + config.blocks_per_seq * per_block + per_slot
-    plan_cache_sizes(config, _free_for(config, one_seq), GiB)
+    plan_cache_sizes(config, GiB, GiB, _own_for(config, one_seq))
     with pytest.raises(ConfigError, match=r"engine option gpu_memory_utilization: 0.5 of 1.00 GiB leaves .* "
                                           r"raise gpu_memory_utilization"):
-        plan_cache_sizes(config, _free_for(config, one_seq - 1), GiB)
+        plan_cache_sizes(config, GiB, GiB, _own_for(config, one_seq - 1))
 
 
 @pytest.mark.parametrize("value", [0, 0.0, -0.1, 1.01, math.nan, math.inf, True, "0.9", None])
@@ -114,12 +139,13 @@ def test_cuda_sizes_from_mem_get_info_and_logs_it(model: ModelConfig, monkeypatc
     config = dataclasses.replace(_config(model, "align"), device="cuda")
     assert config.sized_by_memory
     fixed, per_block, per_slot = _prices(_config(model, "align"))
-    free = _free_for(config, fixed + 20 * per_block + 4 * per_slot)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, GiB))
+    own = _own_for(config, fixed + 20 * per_block + 4 * per_slot)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (GiB - own, GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: own)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     with caplog.at_level(logging.INFO, logger=cache_sizing.__name__):
         sized = size_caches(config)
-    plan = plan_cache_sizes(config, free, GiB)
+    plan = plan_cache_sizes(config, GiB - own, GiB, own)
     assert isinstance(plan, CachePlan) and not sized.sized_by_memory
     assert (sized.num_kv_blocks, sized.num_mamba_cache_slots) == (plan.num_kv_blocks, plan.num_mamba_cache_slots)
     assert f"{plan.num_kv_blocks} KV blocks of 8 tokens" in caplog.text and "GiB" in caplog.text
