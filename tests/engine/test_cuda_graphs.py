@@ -30,16 +30,15 @@ def graph_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU; exercised on the H200")
 @pytest.mark.parametrize("backend", ["baseline", "replay"])
-# With prefix caching the caches take gpu_memory_utilization of the card: a small share, since the
-# eager engine is alive when the graphed one is sized and other test workers share the GPU.
+# Cache sizes given: sized from memory, every test worker sharing the GPU would want its share.
 @pytest.mark.parametrize("extra", [{}, {"enable_prefix_caching": True, "mamba_cache_mode": "align",
-                                        "gpu_memory_utilization": 0.04},
+                                        "num_kv_blocks": 160, "num_mamba_cache_slots": 16},
                                    {"speculative": {"method": "ngram", "num_speculative_tokens": 3}}])
 def test_graphed_decode_equals_eager(graph_model_dir: Path, backend: str, extra: dict) -> None:
     gen = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(3, 500, (n,), generator=gen).tolist()} for n in (5, 17, 30, 9, 3)]
     prompts.append(prompts[1])  # a prefix hit when caching is on
-    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, logprobs=2)
     outs = {}
     for eager in (True, False):
         llm = LLM(model=str(graph_model_dir), dtype="float32", device="cuda", max_num_seqs=8, max_model_len=256,
@@ -51,9 +50,19 @@ def test_graphed_decode_equals_eager(graph_model_dir: Path, backend: str, extra:
             assert graphs._graphs, "no decode step ran through a graph"
         assert_pools_full(llm)
     for a, b in zip(outs[True], outs[False], strict=True):
-        assert a.token_ids == b.token_ids
-        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
-            assert abs(next(iter(la.values())).logprob - next(iter(lb.values())).logprob) < 1e-4
+        assert_equal_up_to_a_tie(a, b)
+
+
+def assert_equal_up_to_a_tie(eager, graphed, tol: float = 1e-4) -> None:  # noqa: ANN001 - CompletionOutput
+    """Same greedy tokens and log-probabilities, up to the first float32 near-tie: graphed rows are
+    padded to a bucket, so cuBLAS may pick another kernel and round differently; where the tokens
+    part, the two candidates must be within `tol` of each other in the eager run's top 2."""
+    for i, (x, y) in enumerate(zip(eager.token_ids, graphed.token_ids, strict=True)):
+        le, lg = eager.logprobs[i], graphed.logprobs[i]
+        if x != y:
+            assert y in le and abs(le[x].logprob - le[y].logprob) < tol, f"token {i}: {x} != {y}, not a tie"
+            return
+        assert abs(le[x].logprob - lg[y].logprob) < tol
 
 
 @pytest.mark.parametrize(("backend", "extra"), [

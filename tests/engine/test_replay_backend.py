@@ -90,7 +90,7 @@ def test_prefix_cache_on_cuda_matches_caching_off(tiny_model_dir: Path, backend:
         llm = LLM(model=str(tiny_model_dir), dtype="float32", device="cuda", max_num_seqs=4, block_size=16,
                   ssm_backend=backend, enable_prefix_caching=mode != "off",
                   mamba_cache_mode="none" if mode == "off" else mode, num_mamba_cache_slots=32,
-                  gpu_memory_utilization=0.04)  # KV blocks for a share of the card: test workers share it
+                  num_kv_blocks=256)  # given: sized from memory, each test worker sharing the GPU wants its share
         first = llm.generate(prompts, params, use_tqdm=False)
         turn = [{"prompt_token_ids": p["prompt_token_ids"] + o.token_ids + [5, 6]}
                 for p, o in zip(prompts, first, strict=True)]
