@@ -74,20 +74,23 @@ class MoE(nn.Module):
 
         Each expert's parameter (`experts.{e}.up_proj.weight`, the checkpoint's name) is made a view
         of its slice, so the stacks cost no memory of their own and a load's in-place copies land in
-        them. Restacked where a parameter stopped being that view (replaced, or moved by `.to()`):
-        the models' `cast_` stacks at build time, so a forward normally only compares pointers."""
-        params = [m.up_proj.weight for m in self.experts] + [m.down_proj.weight for m in self.experts]
-        key = tuple(p.data_ptr() for p in params)
+        them. Restacked where the parameters stopped being those views (moved by `.to()`, cast):
+        the models' `cast_` stacks at build time, so a forward only compares the first and the last
+        parameter's address with the stacks' (all 2E would cost ~1 ms of module lookups per layer
+        and call, which eager prefill pays; one parameter replaced alone is not noticed)."""
+        first, last = self.experts[0].up_proj.weight, self.experts[-1].down_proj.weight
         stacked = getattr(self, "_stacked", None)
-        if stacked is None or self._stacked_key != key:
-            num = len(self.experts)
-            with torch.no_grad():
-                stacked = (torch.stack([p.detach() for p in params[:num]]),
-                           torch.stack([p.detach() for p in params[num:]]))
-                for i, p in enumerate(params):
-                    p.data = stacked[i // num][i % num]
-            self._stacked = stacked
-            self._stacked_key = tuple(p.data_ptr() for p in params)
+        if (stacked is not None and first.data_ptr() == stacked[0].data_ptr()
+                and last.data_ptr() == stacked[1][-1].data_ptr()):
+            return stacked
+        params = [m.up_proj.weight for m in self.experts] + [m.down_proj.weight for m in self.experts]
+        num = len(self.experts)
+        with torch.no_grad():
+            stacked = (torch.stack([p.detach() for p in params[:num]]),
+                       torch.stack([p.detach() for p in params[num:]]))
+            for i, p in enumerate(params):
+                p.data = stacked[i // num][i % num]
+        self._stacked = stacked
         return stacked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
