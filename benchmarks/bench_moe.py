@@ -2,10 +2,11 @@
 
 For each T the layer runs on the same random input through both paths (after the comparison of
 their outputs) and is timed with CUDA events: the fused path eagerly and replayed as a CUDA graph
-(the decode path), the reference eagerly. Each row prints the microseconds per call, the bytes a
-call must read at least (the router, the shared expert and the experts the batch routes to, each
-once) against the copy bandwidth measured in the same run, and the FLOPs against the measured
-bf16 matmul rate.
+(the decode path), the reference eagerly; where the shared expert folds into the grouped GEMM
+(`MoE.num_folded`, up to `FOLD_SHARED_MAX_TOKENS`), "unfolded" is the graphed call with it on cuBLAS.
+Each row prints the microseconds per call, the bytes a call must read at least (the router, the
+shared expert and the experts the batch routes to, each once) against the copy bandwidth measured
+in the same run, and the FLOPs against the measured bf16 matmul rate.
 
     python benchmarks/bench_moe.py                                       # H200: under a minute
     python benchmarks/bench_moe.py --tokens 1 64 256 16384 --size medium --out DIR
@@ -32,6 +33,7 @@ from roofline import _median_seconds, measure_rates  # noqa: E402
 from shapes import SIZES, model_config  # noqa: E402
 
 from replayserve.config import ModelConfig  # noqa: E402
+from replayserve.layers import mlp  # noqa: E402
 from replayserve.layers.mlp import MoE  # noqa: E402
 from replayserve.ops.moe import fused_moe_ref  # noqa: E402
 from replayserve.ops.moe_triton import GemmConfig, default_config, fused_moe_triton  # noqa: E402
@@ -97,7 +99,9 @@ def bytes_and_flops(moe: MoE, x: torch.Tensor) -> tuple[int, int, int]:
 def reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     """The MoE layer's CPU path (the per-expert loop) on x's device."""
     ids, weights = moe.gate(x)
-    routed = fused_moe_ref(moe.fc1_latent_proj(x), *moe.stacked_experts(), ids.long(), weights)
+    num = len(moe.experts)  # the stacks end with the shared expert's pseudo-experts when it folds
+    w_up, w_down = moe.stacked_experts()
+    routed = fused_moe_ref(moe.fc1_latent_proj(x), w_up[:num], w_down[:num], ids.long(), weights)
     return moe.fc2_latent_proj(routed.to(x.dtype)) + moe.shared_experts(x)
 
 
@@ -106,8 +110,15 @@ def measure(moe: MoE, x: torch.Tensor, rates: dict[str, float], args: argparse.N
     nbytes, flops, used = bytes_and_flops(moe, x)
     fused_s = _median_seconds(lambda: moe(x), x.device, args.reps)
     graph_s = _median_seconds(graphed(lambda: moe(x)), x.device, args.reps)
+    folds = moe.num_folded and x.shape[0] <= mlp.FOLD_SHARED_MAX_TOKENS
+    unfolded_s = float("nan")
+    if folds:  # the same call with the shared expert on cuBLAS, beside the routed experts' kernels
+        limit, mlp.FOLD_SHARED_MAX_TOKENS = mlp.FOLD_SHARED_MAX_TOKENS, 0
+        unfolded_s = _median_seconds(graphed(lambda: moe(x)), x.device, args.reps)
+        mlp.FOLD_SHARED_MAX_TOKENS = limit
     best = min(fused_s, graph_s)
     row = {"tokens": x.shape[0], "experts_used": used, "fused_us": fused_s * 1e6, "graph_us": graph_s * 1e6,
+           "shared_folded": bool(folds), "unfolded_graph_us": unfolded_s * 1e6,
            "bytes": nbytes, "flops": flops, "bytes_share": nbytes / rates["copy_bytes_per_s"] / best,
            "flops_share": flops / rates["matmul_flop_per_s"] / best, "ref_us": float("nan"),
            "max_rel_err": float("nan")}
@@ -115,7 +126,8 @@ def measure(moe: MoE, x: torch.Tensor, rates: dict[str, float], args: argparse.N
         want = reference(moe, x).float()
         row["max_rel_err"] = ((moe(x).float() - want).abs().max() / want.abs().max()).item()
         row["ref_us"] = _median_seconds(lambda: reference(moe, x), x.device, max(3, args.reps // 4)) * 1e6
-    print(f"{x.shape[0]:>6} {used:>7} {fused_s * 1e6:>9.1f} {graph_s * 1e6:>9.1f} {row['ref_us']:>9.1f} "
+    print(f"{x.shape[0]:>6} {used:>7} {fused_s * 1e6:>9.1f} {graph_s * 1e6:>9.1f} {unfolded_s * 1e6:>9.1f} "
+          f"{row['ref_us']:>9.1f} "
           f"{row['ref_us'] / (best * 1e6):>9.2f} {100 * row['bytes_share']:>7.1f}% {100 * row['flops_share']:>7.1f}% "
           f"{row['max_rel_err']:>9.2e}", flush=True)
     return row
@@ -125,7 +137,7 @@ def sweep(moe: MoE, x: torch.Tensor, reps: int) -> dict:
     """The routed experts on x (T, hidden) under each candidate tile config: the default's time and
     the best's, in microseconds."""
     ids, weights = moe.gate(x)
-    w_up, w_down = moe.stacked_experts()
+    w_up, w_down = (w[:len(moe.experts)] for w in moe.stacked_experts())
     default = default_config(ids.numel(), w_up.shape[0])
     times: dict[GemmConfig, float] = {}
     for config in {default, *candidates(default.block_m)}:
@@ -158,7 +170,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"{args.size}: {cfg.n_routed_experts} experts of {cfg.moe_intermediate_size}, top-{cfg.num_experts_per_tok}, "
           f"hidden {cfg.hidden_size}; copy {rates['copy_bytes_per_s'] / 1e9:.0f} GB/s, "
           f"matmul {rates['matmul_flop_per_s'] / 1e12:.0f} TFLOP/s")
-    print(f"{'T':>6} {'experts':>7} {'fused us':>9} {'graph us':>9} {'ref us':>9} {'ref/fused':>9} "
+    print(f"{'T':>6} {'experts':>7} {'fused us':>9} {'graph us':>9} {'unfolded':>9} {'ref us':>9} {'ref/fused':>9} "
           f"{'bytes %':>8} {'FLOPs %':>8} {'max err':>9}")
     rows = [measure(moe, torch.randn(t, cfg.hidden_size, device=device, dtype=dtype), rates, args) for t in args.tokens]
     sweeps = [sweep(moe, torch.randn(t, cfg.hidden_size, device=device, dtype=dtype), args.reps)

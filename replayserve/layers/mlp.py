@@ -10,6 +10,11 @@ from replayserve.ops.activation import relu_square_ref
 from replayserve.ops.dtypes import triton_ok
 from replayserve.ops.moe import fused_moe_ref, topk_route_ref
 
+# Up to this many tokens (decode steps) the shared expert runs inside the routed experts' grouped
+# GEMM (`MoE.num_folded`): fewer launches, and no cuBLAS split-K at a few rows. Larger batches keep
+# cuBLAS for it, which is faster once the GEMM is compute bound. Set by H200 measurement (bench_moe).
+FOLD_SHARED_MAX_TOKENS = 64
+
 
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
@@ -41,8 +46,9 @@ class TopkRouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.num_experts, cfg.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (T, hidden) -> expert ids (T, top_k), weights (T, top_k) in the router dtype.
+    def forward(self, x: torch.Tensor, always: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, hidden) -> expert ids (T, top_k), weights (T, top_k) in the router dtype; with
+        `always` = S > 0 (Triton only), each token's row ends with experts E .. E + S - 1 at weight 1.
 
         Ids are int64 from the reference, int32 from the Triton kernel (CUDA, router in fp32)."""
         logits = x.to(self.weight.dtype) @ self.weight.t()
@@ -50,7 +56,9 @@ class TopkRouter(nn.Module):
         if triton_ok(logits) and logits.dtype == torch.float32:
             from replayserve.ops.moe_triton import topk_route_triton
 
-            return topk_route_triton(logits, self.e_score_correction_bias, *args)
+            return topk_route_triton(logits, self.e_score_correction_bias, *args, always=always)
+        if always:
+            raise ValueError("always-on experts are appended by the Triton router only")
         return topk_route_ref(logits, self.e_score_correction_bias, *args)
 
 
@@ -68,43 +76,73 @@ class MoE(nn.Module):
         if cfg.moe_latent_size is not None:
             self.fc1_latent_proj = nn.Linear(cfg.hidden_size, cfg.moe_latent_size, bias=cfg.mlp_bias)
             self.fc2_latent_proj = nn.Linear(cfg.moe_latent_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        # The shared expert as S pseudo-experts of the routed width that every token takes with
+        # weight 1 (relu^2 is elementwise, so its I_s = S * I columns split into S experts whose
+        # outputs sum to it): small batches then run every expert in one grouped GEMM. Needs the
+        # routed experts' input (no latent projection), no bias, and I_s a multiple of I.
+        shared, inner = cfg.moe_shared_expert_intermediate_size, cfg.moe_intermediate_size
+        foldable = cfg.moe_latent_size is None and not cfg.mlp_bias and shared and shared % inner == 0
+        self.num_folded = shared // inner if foldable else 0
 
     def stacked_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The routed experts' weights as (E, I, W) up and (E, W, I) down projections.
+        """The experts' weights as (E + S, I, W) up and (E + S, W, I) down projections: the E routed
+        experts, then the shared expert's S = `num_folded` pseudo-experts (S = 0 when not foldable).
 
-        Each expert's parameter (`experts.{e}.up_proj.weight`, the checkpoint's name) is made a view
-        of its slice, so the stacks cost no memory of their own and a load's in-place copies land in
-        them. Restacked where the parameters stopped being those views (moved by `.to()`, cast):
-        the models' `cast_` stacks at build time, so a forward only compares the first and the last
-        parameter's address with the stacks' (all 2E would cost ~1 ms of module lookups per layer
-        and call, which eager prefill pays; one parameter replaced alone is not noticed)."""
-        first, last = self.experts[0].up_proj.weight, self.experts[-1].down_proj.weight
+        Every parameter (`experts.{e}.up_proj.weight`, `shared_experts.down_proj.weight`: the
+        checkpoint's names) is made a view of its slice, so the stacks cost no memory of their own
+        and a load's in-place copies land in them. The down stack is stored (W, E + S, I) and
+        returned permuted: the shared expert's (W, S * I) down projection is then one view of it.
+        Restacked where the parameters stopped being those views (moved by `.to()`, cast): the
+        models' `cast_` stacks at build time, so a forward only compares the first and the last
+        parameter's address with the stacks' (all of them would cost ~1 ms of module lookups per
+        layer and call, which eager prefill pays; one parameter replaced alone is not noticed)."""
+        num, folded = len(self.experts), self.num_folded
+        first = self.experts[0].up_proj.weight
+        last = (self.shared_experts if folded else self.experts[-1]).down_proj.weight
         stacked = getattr(self, "_stacked", None)
-        if (stacked is not None and first.data_ptr() == stacked[0].data_ptr()
-                and last.data_ptr() == stacked[1][-1].data_ptr()):
+        if stacked is not None and first.data_ptr() == stacked[0].data_ptr() and last.data_ptr() == (
+                stacked[1][num] if folded else stacked[1][-1]).data_ptr():
             return stacked
-        params = [m.up_proj.weight for m in self.experts] + [m.down_proj.weight for m in self.experts]
-        num = len(self.experts)
+        ups = [m.up_proj.weight for m in self.experts]
+        downs = [m.down_proj.weight for m in self.experts]
+        inner, width = ups[0].shape
         with torch.no_grad():
-            stacked = (torch.stack([p.detach() for p in params[:num]]),
-                       torch.stack([p.detach() for p in params[num:]]))
-            for i, p in enumerate(params):
-                p.data = stacked[i // num][i % num]
-        self._stacked = stacked
-        return stacked
+            up_parts = [p.detach() for p in ups]
+            down_parts = [p.detach() for p in downs]
+            if folded:
+                up_parts += list(self.shared_experts.up_proj.weight.detach().view(folded, inner, width))
+                down_parts += list(self.shared_experts.down_proj.weight.detach().view(width, folded, inner)
+                                   .permute(1, 0, 2))
+            w_up = torch.stack(up_parts)
+            w_down = torch.stack(down_parts, dim=1).permute(1, 0, 2)  # (E + S, W, I) of a (W, E + S, I) store
+            for e, p in enumerate(ups):
+                p.data = w_up[e]
+            for e, p in enumerate(downs):
+                p.data = w_down[e]
+            if folded:
+                self.shared_experts.up_proj.weight.data = w_up[num:].reshape(folded * inner, width)
+                self.shared_experts.down_proj.weight.data = w_down[num:].permute(1, 0, 2).reshape(
+                    width, folded * inner)
+        self._stacked = (w_up, w_down)
+        return self._stacked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden). On CUDA (fp32, bf16, fp16) the routed experts run as Triton
-        kernels without a host sync (CUDA-graph safe); elsewhere as the per-expert reference loop."""
-        ids, weights = self.gate(x)
-        routed_in = self.fc1_latent_proj(x)
+        kernels without a host sync (CUDA-graph safe), with the shared expert folded in for up to
+        FOLD_SHARED_MAX_TOKENS tokens; elsewhere as the per-expert reference loop."""
+        num = len(self.experts)
         w_up, w_down = self.stacked_experts()
-        shared = self.shared_experts(x)
-        if triton_ok(routed_in):
+        if triton_ok(x):
             from replayserve.ops.moe_triton import fused_moe_triton
 
+            if self.num_folded and x.shape[0] <= FOLD_SHARED_MAX_TOKENS:
+                ids, weights = self.gate(x, always=self.num_folded)
+                return fused_moe_triton(x, w_up, w_down, ids, weights)
+            ids, weights = self.gate(x)
+            routed_in, shared = self.fc1_latent_proj(x), self.shared_experts(x)
             if isinstance(self.fc2_latent_proj, nn.Identity):  # the shared expert added in the same kernel
-                return fused_moe_triton(routed_in, w_up, w_down, ids, weights, add=shared)
-            return self.fc2_latent_proj(fused_moe_triton(routed_in, w_up, w_down, ids, weights)) + shared
-        routed = fused_moe_ref(routed_in, w_up, w_down, ids, weights)
-        return self.fc2_latent_proj(routed.to(x.dtype)) + shared
+                return fused_moe_triton(routed_in, w_up[:num], w_down[:num], ids, weights, add=shared)
+            return self.fc2_latent_proj(fused_moe_triton(routed_in, w_up[:num], w_down[:num], ids, weights)) + shared
+        ids, weights = self.gate(x)
+        routed = fused_moe_ref(self.fc1_latent_proj(x), w_up[:num], w_down[:num], ids, weights)
+        return self.fc2_latent_proj(routed.to(x.dtype)) + self.shared_experts(x)

@@ -36,7 +36,7 @@ _ALIGN_IN_ONE_PROGRAM = 1024
 def _route_kernel(
     logits_ptr, bias_ptr, ids_ptr, weights_ptr, n_group, experts_per_group, scaling, s_l_t, s_l_e,
     TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUPED: tl.constexpr, NORM: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
+    ALWAYS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, BLOCK_G)
@@ -72,8 +72,14 @@ def _route_kernel(
     if NORM:
         weights = weights / (tl.sum(weights, axis=0) + 1e-20)
     mask = slots < TOP_K
-    tl.store(ids_ptr + t * TOP_K + slots, ids, mask=mask)
-    tl.store(weights_ptr + t * TOP_K + slots, weights * scaling, mask=mask)
+    row = TOP_K + ALWAYS
+    tl.store(ids_ptr + t * row + slots, ids, mask=mask)
+    tl.store(weights_ptr + t * row + slots, weights * scaling, mask=mask)
+    if ALWAYS > 0:  # the shared expert's pseudo-experts, after the E routed ones, at weight 1
+        extra = tl.arange(0, BLOCK_S)
+        on = extra < ALWAYS
+        tl.store(ids_ptr + t * row + TOP_K + extra, (n_group * experts_per_group + extra).to(tl.int32), mask=on)
+        tl.store(weights_ptr + t * row + TOP_K + extra, tl.full(extra.shape, 1.0, tl.float32), mask=on)
 
 
 @triton.jit
@@ -165,28 +171,31 @@ def _sum_topk_kernel(
 
 
 def topk_route_triton(logits: Tensor, bias: Tensor, top_k: int, n_group: int, topk_group: int,
-                      norm_topk_prob: bool, scaling: float) -> tuple[Tensor, Tensor]:
+                      norm_topk_prob: bool, scaling: float, always: int = 0) -> tuple[Tensor, Tensor]:
     """``topk_route_ref`` on the GPU, in fp32, one program per token.
 
     Arguments:
         logits: (T, E) router logits, any float dtype and strides.
         bias: (E,) ``e_score_correction_bias``.
         top_k, n_group, topk_group, norm_topk_prob, scaling: as ``topk_route_ref``.
+        always: S experts E .. E + S - 1 appended to every token's choice at weight 1 (the shared
+            expert folded in as pseudo-experts, ``MoE.num_folded``).
 
     Returns:
-        ids: (T, top_k) int32, best choice first (the lowest id among equal choices).
-        weights: (T, top_k) float32.
+        ids: (T, top_k + S) int32, best choice first (the lowest id among equal choices).
+        weights: (T, top_k + S) float32.
     """
     num_tokens, num_experts = logits.shape
     if num_experts % n_group or not 1 <= topk_group <= n_group:
         raise ValueError(f"n_group={n_group} must divide E={num_experts} and topk_group={topk_group} be 1..n_group")
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(num_tokens, top_k + always, dtype=torch.int32, device=logits.device)
+    weights = torch.empty(num_tokens, top_k + always, dtype=torch.float32, device=logits.device)
     if num_tokens:
         per_group = num_experts // n_group
         _route_kernel[(num_tokens,)](
             logits, bias, ids, weights, n_group, per_group, float(scaling), *logits.stride(),
-            TOP_K=top_k, TOPK_GROUP=topk_group, GROUPED=n_group > 1, NORM=norm_topk_prob,
+            TOP_K=top_k, TOPK_GROUP=topk_group, GROUPED=n_group > 1, NORM=norm_topk_prob, ALWAYS=always,
+            BLOCK_S=triton.next_power_of_2(max(always, 1)),
             BLOCK_G=triton.next_power_of_2(n_group), BLOCK_J=triton.next_power_of_2(per_group),
             BLOCK_K=triton.next_power_of_2(top_k), num_warps=4,
         )

@@ -10,8 +10,10 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from replayserve.layers.mlp import MoE
+from replayserve.ops.activation import relu_square_ref
 from replayserve.ops.moe import fused_moe_ref, topk_route_ref
 from replayserve.ops.moe_triton import (
     GemmConfig,
@@ -61,6 +63,16 @@ def _plain_alignment(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
         pairs += run
         owners += [e] * (len(run) // block_m)
     return pairs, owners
+
+
+def test_route_appends_the_always_on_experts() -> None:
+    """`always` = S: each row is the top_k choice as without it, then experts E .. E + S - 1 at 1."""
+    logits = torch.randn(7, 16, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    bias = torch.randn(16, generator=torch.Generator().manual_seed(3)).to(DEVICE) * 0.1
+    ids, weights = topk_route_triton(logits, bias, 4, 4, 2, True, 2.5)
+    ids2, weights2 = topk_route_triton(logits, bias, 4, 4, 2, True, 2.5, always=2)
+    assert ids2.shape == (7, 6) and torch.equal(ids2[:, :4], ids) and torch.equal(weights2[:, :4], weights)
+    assert (ids2[:, 4] == 16).all() and (ids2[:, 5] == 17).all() and (weights2[:, 4:] == 1.0).all()
 
 
 @pytest.mark.parametrize("one_program", [True, False])
@@ -150,15 +162,16 @@ def test_fused_moe_has_a_token_route_to_a_wrong_expert_caught() -> None:
     assert not torch.allclose(got.cpu().double(), fused_moe_ref(x, w_up, w_down, ids, weights), atol=1e-3)
 
 
-def _moe_config(latent: bool) -> object:
+def _moe_config(latent: bool, shared: int = 32) -> object:
+    """`shared` = 96, twice the routed width: the shared expert folds into 2 pseudo-experts."""
     return dataclasses.replace(tiny_config("E"), hidden_size=64, n_routed_experts=16, num_experts_per_tok=4,
-                               moe_intermediate_size=48, moe_shared_expert_intermediate_size=32, n_group=4,
+                               moe_intermediate_size=48, moe_shared_expert_intermediate_size=shared, n_group=4,
                                topk_group=2, routed_scaling_factor=2.5, moe_latent_size=32 if latent else None)
 
 
-def _random_moe(latent: bool, seed: int = 0) -> MoE:
+def _random_moe(latent: bool, seed: int = 0, shared: int = 32) -> MoE:
     torch.manual_seed(seed)
-    moe = MoE(_moe_config(latent)).double()
+    moe = MoE(_moe_config(latent, shared)).double()
     with torch.no_grad():
         for p in moe.parameters():
             p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
@@ -181,29 +194,51 @@ def test_stacked_experts_are_the_parameters() -> None:
     assert set(moe.state_dict()) >= {"experts.3.up_proj.weight", "experts.15.down_proj.weight"}
 
 
+def test_a_folded_shared_expert_is_two_pseudo_experts_of_the_stacks() -> None:
+    moe = _random_moe(latent=False, shared=96)
+    assert moe.num_folded == 2 and _random_moe(latent=True, shared=96).num_folded == 0
+    x = torch.randn(3, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    shared_before = moe.shared_experts(x)
+    w_up, w_down = moe.stacked_experts()
+    assert w_up.shape == (18, 48, 64) and w_down.shape == (18, 64, 48)
+    torch.testing.assert_close(moe.shared_experts(x), shared_before, rtol=0, atol=0)  # same values, now views
+    pieces = sum(F.linear(relu_square_ref(F.linear(x, w_up[16 + s])), w_down[16 + s]) for s in range(2))
+    torch.testing.assert_close(pieces, shared_before)
+    with torch.no_grad():  # in-place loads land in the stacks, down projections included
+        moe.shared_experts.down_proj.weight[:, 50].fill_(0.25)
+        moe.experts[15].down_proj.weight.fill_(0.5)
+    assert (w_down[17][:, 2] == 0.25).all() and (w_down[15] == 0.5).all()
+    assert moe.stacked_experts()[1] is w_down
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="the CUDA test below runs this path for real")
-@pytest.mark.parametrize("latent", [False, True])
-def test_moe_layer_triton_path_in_the_interpreter(latent: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """MoE.forward's Triton branch (router, stacks, latent projections, shared expert) on CPU."""
+@pytest.mark.parametrize(("latent", "shared", "num_tokens"), [(False, 32, 5), (True, 32, 5), (False, 96, 5),
+                                                              (False, 96, 70)])  # folded up to 64 tokens
+def test_moe_layer_triton_path_in_the_interpreter(latent: bool, shared: int, num_tokens: int,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """MoE.forward's Triton branch (router, stacks, latent projections, the shared expert added
+    or folded in as pseudo-experts) on CPU."""
     import replayserve.layers.mlp as mlp
 
     monkeypatch.setattr(mlp, "triton_ok", lambda t: t.dtype == torch.float32)
-    moe = _random_moe(latent).float()
-    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(5))
-    want = _random_moe(latent).float().double()(x.double())
+    moe = _random_moe(latent, shared=shared).float()
+    x = torch.randn(num_tokens, 64, generator=torch.Generator().manual_seed(5))
+    want = _random_moe(latent, shared=shared).float().double()(x.double())
     torch.testing.assert_close(moe(x).double(), want, atol=1e-4 * want.abs().max().item(), rtol=1e-4)
 
 
 @cuda_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("latent", [False, True])
+@pytest.mark.parametrize(("latent", "shared"), [(False, 32), (True, 32), (False, 96)])
 @pytest.mark.parametrize("num_tokens", [1, 37, 300])
-def test_moe_layer_on_cuda_equals_the_reference(dtype: torch.dtype, latent: bool, num_tokens: int) -> None:
+def test_moe_layer_on_cuda_equals_the_reference(dtype: torch.dtype, latent: bool, shared: int,
+                                                num_tokens: int) -> None:
     """The reference runs the same rounded weights and input in float64 (the CPU path), so that
-    only float32 against float64 router logits could change a choice."""
-    cuda = _random_moe(latent).to(dtype).cuda()
+    only float32 against float64 router logits could change a choice. Shared width 96 folds the
+    shared expert into the grouped GEMM up to 64 tokens."""
+    cuda = _random_moe(latent, shared=shared).to(dtype).cuda()
     cuda.gate.float()
-    ref = _random_moe(latent).to(dtype).double()
+    ref = _random_moe(latent, shared=shared).to(dtype).double()
     x = torch.randn(num_tokens, 64, generator=torch.Generator().manual_seed(num_tokens)).to(dtype)
     want = ref(x.double())
     got = cuda(x.cuda())
