@@ -35,6 +35,7 @@ import torch
 from replayserve.cache_memory import cache_bytes_for
 from replayserve.config import ConfigError, EngineConfig
 from replayserve.engine.prompt_logprobs import SCORE_ROWS
+from replayserve.ops.attention import prefill_kernel_head_dim
 from replayserve.ops.dtypes import compute_dtype
 
 logger = logging.getLogger(__name__)
@@ -70,8 +71,10 @@ class CachePlan:
 def activation_reserve(config: EngineConfig) -> int:
     """Bytes a step of `max_num_batched_tokens` tokens may hold besides the weights and caches (an
     estimate): a few hidden-size tensors per token and the widest mixer's intermediates, the SSD
-    scan's per-chunk matrices, the prefill attention's scores over `max_model_len` keys (the
-    reference op materializes them), and the logits of the sampled rows and of prompt scoring."""
+    scan's per-chunk matrices, the prefill attention's scores over `max_model_len` keys where the
+    reference op runs it (it materializes them; the Triton kernel, for fp32/bf16/fp16 and
+    power-of-two head_dim, keeps them on chip), and the logits of the sampled rows and of prompt
+    scoring."""
     m, t, length = config.model, config.max_num_batched_tokens, config.resolved_max_model_len
     size = getattr(torch, config.dtype).itemsize
     wide = compute_dtype(getattr(torch, config.dtype)).itemsize
@@ -87,7 +90,8 @@ def activation_reserve(config: EngineConfig) -> int:
     if m.num_mamba_layers:
         chunks = math.ceil(t / m.chunk_size)
         reserve += 2 * chunks * m.mamba_num_heads * (m.chunk_size**2 + m.mamba_head_dim * m.ssm_state_size) * wide
-    if m.num_attention_layers:
+    attention_kernel = config.dtype in ("float32", "bfloat16", "float16") and prefill_kernel_head_dim(m.head_dim)
+    if m.num_attention_layers and not attention_kernel:
         queries = min(t, length)
         reserve += 2 * m.num_attention_heads * (queries * length + 2 * length * m.head_dim) * wide
     rows = min(t, config.max_num_seqs * config.tokens_per_step) + SCORE_ROWS

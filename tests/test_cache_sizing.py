@@ -25,9 +25,10 @@ GiB = 1024**3
 
 
 def _config(model: ModelConfig, mode: str = "none", **kwargs: object) -> EngineConfig:
-    return EngineConfig(model=model, dtype="float32", device="cpu", max_num_seqs=3, max_model_len=64, block_size=8,
-                        enable_prefix_caching=mode != "none", mamba_cache_mode=mode, mamba_block_size=16,
-                        max_num_batched_tokens=32, gpu_memory_utilization=0.5, **kwargs)  # type: ignore[arg-type]
+    fields = {"dtype": "float32", "max_model_len": 64, **kwargs}
+    return EngineConfig(model=model, device="cpu", max_num_seqs=3, block_size=8, enable_prefix_caching=mode != "none",
+                        mamba_cache_mode=mode, mamba_block_size=16, max_num_batched_tokens=32,
+                        gpu_memory_utilization=0.5, **fields)  # type: ignore[arg-type]
 
 
 def _prices(config: EngineConfig) -> tuple[int, int, int]:
@@ -115,6 +116,21 @@ def test_the_engine_allocates_what_was_planned(tiny_model_dir: Path, model: Mode
     assert engine.cache.kv.size == plan.num_kv_blocks
     states = engine.cache.states
     assert (0 if states is None else states.size) == plan.num_mamba_cache_slots == (0 if mode == "none" else 4)
+
+
+def test_the_reserve_holds_attention_scores_only_where_the_reference_runs(model: ModelConfig) -> None:
+    """The Triton prefill attention (fp32/bf16/fp16, power-of-two head_dim) keeps its scores on chip,
+    so the reserve does not grow with max_model_len; float64 runs the reference, whose (Hq, queries,
+    max_model_len) scores it must hold."""
+    def reserve(dtype: str, length: int) -> int:
+        return activation_reserve(_config(model, dtype=dtype, max_model_len=length))
+
+    assert reserve("bfloat16", 64) == reserve("bfloat16", 512)
+    assert reserve("float32", 64) == reserve("float32", 512)
+    def scores(length: int) -> int:  # 32 queries (max_num_batched_tokens), 8-byte scores, K and V gathered
+        return 2 * model.num_attention_heads * (32 * length + 2 * length * model.head_dim) * 8
+
+    assert reserve("float64", 512) - reserve("float64", 64) == scores(512) - scores(64)
 
 
 def test_too_small_a_budget_names_the_option(model: ModelConfig) -> None:
