@@ -97,9 +97,10 @@ def test_prefill_attention_takes_int64_metadata_and_strided_tensors() -> None:
     wide = [torch.full((*c.shape[:3], dh + 8), float("nan")) for c in (batch["k_cache"], batch["v_cache"])]
     for w, c in zip(wide, (batch["k_cache"], batch["v_cache"]), strict=True):
         w[..., :dh] = c
+    # Moved before slicing: copying a view with gaps to another device makes it contiguous.
+    fused, wide = fused.to(DEVICE), [w.to(DEVICE) for w in wide]
     strided = {"q": fused[:, 1 : hq + 1], "k_cache": wide[0][..., :dh], "v_cache": wide[1][..., :dh],
-               **{k: batch[k].long() for k in ("block_tables", "query_start_loc", "seq_lens")}}
-    strided = {k: t.to(DEVICE) for k, t in strided.items()}
+               **{k: batch[k].long().to(DEVICE) for k in ("block_tables", "query_start_loc", "seq_lens")}}
     assert not strided["q"].is_contiguous() and not strided["k_cache"].is_contiguous()
     out = paged_prefill_attention_triton(**strided, scale=0.3)
     torch.testing.assert_close(out.double().cpu(), reference(batch, 0.3), rtol=1e-4, atol=1e-5)
@@ -191,7 +192,8 @@ def test_prefill_attention_graph_replay_follows_new_inputs() -> None:
     def inputs(rows: list[tuple[int, int]]) -> dict[str, Tensor]:
         return make_batch(gen, rows, hq, hkv, dh, block_size, dt, num_blocks=200, table_width=100)
 
-    steps = [[(300, 200), (50, 1), (700, 99)], [(1000, 2), (1, 1), (297, 297)], [(100, 100), (900, 100), (5, 100)]]
+    # (seq_len, query tokens): 300 query tokens in every step, as a graph's fixed shapes need.
+    steps = [[(300, 200), (50, 1), (700, 99)], [(1000, 2), (1, 1), (297, 297)], [(100, 100), (900, 100), (105, 100)]]
     static = {k: t.cuda() for k, t in inputs(steps[0]).items()}
     scale = dh**-0.5
     side = torch.cuda.Stream()
