@@ -12,8 +12,9 @@ from replayserve.ops.moe import fused_moe_ref, topk_route_ref
 
 # Up to this many tokens (decode steps) the shared expert runs inside the routed experts' grouped
 # GEMM (`MoE.num_folded`): fewer launches, and no cuBLAS split-K at a few rows. Larger batches keep
-# cuBLAS for it, which is faster once the GEMM is compute bound. Set by H200 measurement (bench_moe).
-FOLD_SHARED_MAX_TOKENS = 64
+# cuBLAS for it. H200, Nemotron-3-Nano's MoE layer graphed (bench_moe): folded 74 / 244 / 615 us
+# at 1 / 8 / 64 tokens against 84 / 257 / 608 us unfolded.
+FOLD_SHARED_MAX_TOKENS = 32
 
 
 class MLP(nn.Module):
