@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from replayserve import LLM, SamplingParams
@@ -102,48 +102,62 @@ def _run_both(model: Path, arrivals: list[Arrival], **options: object) -> tuple[
     return llm, outputs[0], outputs[1]
 
 
+# An arrival as drawn: (prompt index, kind, stop kind, stop position, max_tokens, seed, arrival call,
+# abort call or None); `_arrivals` turns it into an `Arrival` with the reference's prompts and paths.
+Drawn = tuple[int, str, str, int, int, int, int, int | None]
+
+
 @st.composite
-def _workloads(draw: st.DrawFn, reference: fuzz_engine.Reference) -> tuple[dict, list[Arrival]]:
+def _workloads(draw: st.DrawFn) -> tuple[dict, list[Drawn]]:
     bs = draw(st.sampled_from((4, 8)))
     grid = bs * draw(st.sampled_from((1, 2)))
     mode = draw(st.sampled_from((None, None, "align", "all")))
     options = {
-        "block_size": bs, "max_num_seqs": draw(st.integers(1, 4)), "replay_window": draw(st.integers(1, 6)),
+        "block_size": bs, "max_num_seqs": draw(st.sampled_from((1, 2, 3, 4, 4))),
+        "replay_window": draw(st.integers(1, 6)),
         "max_num_batched_tokens": max(draw(st.integers(4, 32)), grid if mode == "align" else 1),
-        "num_kv_blocks": draw(st.integers(MAX_MODEL_LEN // bs + 1, 3 * MAX_MODEL_LEN // bs)),
+        # From one sequence's blocks and a few (preemptions) to plenty.
+        "num_kv_blocks": MAX_MODEL_LEN // bs + draw(st.sampled_from((1, 2, 3, 6, 32))),
         "enable_prefix_caching": mode is not None, "mamba_cache_mode": mode or "none", "mamba_block_size": grid,
         "num_mamba_cache_slots": draw(st.integers(1, 6)),
     }
     arrivals = []
-    for _ in range(draw(st.integers(1, 6))):
-        prompt = reference.pool[draw(st.integers(0, len(reference.pool) - 1))]
-        path = reference.path(prompt)
-        kind = draw(st.sampled_from(("greedy", "greedy", "logprobs", "seeded", "penalty")))
-        stop = draw(st.sampled_from(("none", "none", "token", "string")))
-        at = draw(st.integers(0, 9))
-        params = SamplingParams(
-            temperature=0.8 if kind == "seeded" else 0.0, top_p=0.9, seed=draw(st.integers(0, 99)),
-            max_tokens=draw(st.integers(1, PATH_LEN - 2)), ignore_eos=True,
-            logprobs=2 if kind == "logprobs" else None, presence_penalty=0.5 if kind == "penalty" else 0.0,
-            stop_token_ids=[path[at]] if stop == "token" else [],
-            stop=[reference.tokenizer.decode(path[: at + 2])[-2:] or "x"] if stop == "string" else [])
+    for _ in range(draw(st.integers(2, 6))):
         start = draw(st.integers(0, 8))
-        abort = draw(st.one_of(st.none(), st.none(), st.none(), st.integers(start, start + 12)))
-        arrivals.append((prompt, params, start, abort))
+        arrivals.append((
+            draw(st.integers(0, 15)), draw(st.sampled_from(("greedy", "greedy", "logprobs", "seeded", "penalty"))),
+            draw(st.sampled_from(("none", "none", "token", "string"))), draw(st.integers(0, 9)),
+            draw(st.integers(1, PATH_LEN - 2)), draw(st.integers(0, 99)), start,
+            draw(st.one_of(st.none(), st.none(), st.none(), st.integers(start, start + 12)))))
     return options, arrivals
 
 
+def _arrivals(reference: fuzz_engine.Reference, drawn: list[Drawn]) -> list[Arrival]:
+    arrivals = []
+    for index, kind, stop, at, max_tokens, seed, start, abort in drawn:
+        prompt = reference.pool[index]
+        path = reference.path(prompt)
+        params = SamplingParams(
+            temperature=0.8 if kind == "seeded" else 0.0, top_p=0.9, seed=seed, max_tokens=max_tokens,
+            ignore_eos=True, logprobs=2 if kind == "logprobs" else None,
+            presence_penalty=0.5 if kind == "penalty" else 0.0, stop_token_ids=[path[at]] if stop == "token" else [],
+            stop=[reference.tokenizer.decode(path[: at + 2])[-2:] or "x"] if stop == "string" else [])
+        arrivals.append((prompt, params, start, abort))
+    return arrivals
+
+
 @pytest.mark.parametrize("backend", ["baseline", "replay"])
-def test_async_equals_sync_on_random_workloads(setup, backend: str) -> None:  # noqa: ANN001
+@given(workload=_workloads())
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+def test_async_equals_sync_on_random_workloads(setup, backend: str, workload: tuple[dict, list[Drawn]]) -> None:  # noqa: ANN001
     models, reference = setup
-
-    @given(_workloads(reference))
-    @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-    def check(workload: tuple[dict, list[Arrival]]) -> None:
-        options, arrivals = workload
-        _run_both(models.target, arrivals, ssm_backend=backend, **options)
-
-    check()
+    options, drawn = workload
+    llm, _, requests = _run_both(models.target, _arrivals(reference, drawn), ssm_backend=backend, **options)
+    metrics = llm.get_metrics()  # what the examples cover: --hypothesis-show-statistics
+    event(f"overlapped steps: {metrics['num_overlapped_steps'] > 0}")
+    event(f"preemptions: {metrics['num_preemptions'] > 0}")
+    event(f"stopped by a stop token or string: {any(r.finish_reason == 'stop' for r in requests)}")
+    event(f"aborted: {any(r.finish_reason == 'abort' for r in requests)}")
 
 
 def _stop_at(reference: fuzz_engine.Reference, prompt: list[int], n: int) -> SamplingParams:
@@ -271,6 +285,18 @@ def test_prefix_caching_with_mamba_states_falls_back_on_boundary_steps(setup, mo
     metrics = llm.get_metrics()
     assert metrics["prefix_cache_published_states"] > 0 and metrics["prefix_cache_mamba_hits"] > 0
     assert 0 < metrics["num_overlapped_steps"] < metrics["num_steps"]
+
+
+def test_blocks_running_out_preempt_as_without_async(setup) -> None:  # noqa: ANN001
+    """A decode row that needs a KV block the pool lacks: the next step is not planned early, and
+    the synchronous step preempts the newest request, which recomputes to the same tokens."""
+    models, reference = setup
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    arrivals = [(p, params, 0, None) for p in reference.pool[:3]]
+    llm, _, _ = _run_both(models.target, arrivals, max_num_seqs=3, block_size=4,
+                          num_kv_blocks=MAX_MODEL_LEN // 4 + 1, ssm_backend="replay", replay_window=4)
+    metrics = llm.get_metrics()
+    assert metrics["num_preemptions"] > 0 and metrics["num_overlapped_steps"] > 0
 
 
 def test_penalties_run_synchronously(setup) -> None:  # noqa: ANN001
