@@ -11,6 +11,7 @@ step N runs once more in step N + 1, and no request admitted meanwhile may get t
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -259,6 +260,27 @@ def test_each_step_is_read_back_after_its_successor_is_launched(setup) -> None: 
     assert events[:3] == ["launch", "launch", "collect"] and events[-2:] == ["collect", "collect"]
     assert all(events[i : i + 2] == ["launch", "collect"] for i in range(1, len(events) - 2, 2))
     assert llm.engine.num_overlapped_steps == events.count("launch") - 1
+
+
+def test_eos_ends_a_request_as_without_async(setup) -> None:  # noqa: ANN001
+    """The model's EOS (here a token of a greedy path) ends a request one step before its row in
+    the launched step; the other requests go on with their solo runs' tokens."""
+    models, reference = setup
+    prompts = reference.pool[6:9]
+    eos = reference.path(prompts[0])[3]
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    outputs = []
+    for async_scheduling in (False, True):
+        llm = _llm(models.target, async_scheduling, max_num_seqs=3, block_size=4, ssm_backend="replay")
+        config = llm.engine.config
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, eos_token_ids=(eos,)))
+        llm.engine.config = llm.engine.runner.config = config
+        outputs.append(_drive(llm, [(p, params, 0, None) for p in prompts]))
+        assert_pools_full(llm)
+    assert_same_outputs(*outputs)
+    first = outputs[1][0]
+    assert first.finish_reason == "stop" and first.stop_reason is None and first.output_token_ids[-1] == eos
+    assert llm.engine.num_overlapped_steps > 0
 
 
 def test_seeded_sampling_and_logprobs_are_the_same(setup) -> None:  # noqa: ANN001
