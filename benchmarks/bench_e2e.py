@@ -5,7 +5,8 @@ prefilled, `--warmup` decode steps run, then `--repeats` windows of `--steps` de
 timed (each window ends with a device sync; medians reported), then `--profile-steps` more run
 under `torch.profiler` (CUDA only) for the GPU columns: kernel time per step and its share of the
 profiled steps' wall time ("profiled") and of the timed steps' median ("timed": without the
-profiler's host overhead), blocking calls per step (cudaStreamSynchronize + cudaMemcpy),
+profiler's host overhead), blocking calls per step (cudaStreamSynchronize, cudaEventSynchronize,
+cudaMemcpy),
 kernel launch calls (cudaLaunchKernel*, cuLaunchKernel*) beside the kernels the GPU ran, and
 cudaGraphLaunch calls. The roofline is the step's floor (`roofline.py`) at the device copy
 bandwidth and bf16 matmul rate measured at the start of the same run: "bytes" counts every byte
@@ -19,6 +20,13 @@ slots are sized for its batch and lengths, and freed before the next row.
     python benchmarks/bench_e2e.py --device cuda --size nemotron-h-8b --hf --out DIR   # H200: ~2 min
         [--batch 1 16 64 256 512 --repeats 5]                                         # ~3.5 min
     python benchmarks/bench_e2e.py --device cpu --size small     # float32, under a minute
+
+Backend names: `baseline` or `replay` (the SSM backend), `-eager` runs decode without CUDA
+graphs, `-async` with async scheduling (the host plans and launches step N + 1 while the GPU
+runs step N); e.g. sync against async in one run, on the H200:
+
+    python benchmarks/bench_e2e.py --device cuda --size nemotron-h-8b --batch 64 256 --skip-prefill \
+        --backends baseline replay baseline-async replay-async
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ from replayserve.models.nemotron_h import NemotronHForCausalLM  # noqa: E402
 from replayserve.ssm.layout import MambaLayout  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BACKENDS = ("baseline", "replay", "baseline-eager", "replay-eager", "baseline-async", "replay-async")
 GiB = 1 << 30
 
 
@@ -62,9 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--size", choices=sorted(SIZES), default="small")
     p.add_argument("--batch", type=int, nargs="+", help="decode batch sizes (default 1 16 64 256; CPU 1 16)")
-    p.add_argument("--backends", nargs="+", choices=["baseline", "replay", "baseline-eager", "replay-eager"],
-                   default=["baseline", "replay"],
-                   help="SSM backends; '-eager' runs decode without CUDA graphs (compare in one run)")
+    p.add_argument("--backends", nargs="+", choices=BACKENDS, default=["baseline", "replay"],
+                   help="SSM backends; '-eager' runs decode without CUDA graphs, '-async' with async scheduling "
+                        "(compare in one run)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=16, help="decode steps per timed window")
     p.add_argument("--warmup", type=int, default=4, help="decode steps before timing")
@@ -131,8 +140,14 @@ def engine_config(model: NemotronHForCausalLM, args: argparse.Namespace, backend
     leaves prefill room beside `seqs` decoding rows."""
     return EngineConfig(model=model.config, dtype=args.dtype, device=args.device, max_num_seqs=seqs,
                         max_num_batched_tokens=max(args.budget, 2 * seqs), max_model_len=max_len,
-                        block_size=args.block_size, ssm_backend=backend.removesuffix("-eager"),
-                        replay_window=args.window, enforce_eager=backend.endswith("-eager"))
+                        block_size=args.block_size, ssm_backend=ssm_backend(backend),
+                        replay_window=args.window, enforce_eager=backend.endswith("-eager"),
+                        async_scheduling=backend.endswith("-async"))
+
+
+def ssm_backend(backend: str) -> str:
+    """The SSM backend of a benchmark backend name ('replay-async' -> 'replay')."""
+    return backend.split("-")[0]
 
 
 def resident_bytes(model: NemotronHForCausalLM, config: EngineConfig) -> int:
@@ -193,7 +208,8 @@ def profile_steps(engine: Engine, steps: int, sync: Callable[[], None]) -> dict:
             "kernels_per_step": len(kernels) / steps,
             "copy_ms_per_step": sum(e.time_range.elapsed_us() for e in copies) / 1e3 / steps,
             "d2h_copies_per_step": sum("DtoH" in e.name for e in copies) / steps,
-            "syncs_per_step": per_step.get("cudaStreamSynchronize", 0) + per_step.get("cudaMemcpy", 0),
+            "syncs_per_step": sum(per_step.get(k, 0) for k in ("cudaStreamSynchronize", "cudaEventSynchronize",
+                                                                 "cudaMemcpy")),
             "launches_per_step": sum(v for k, v in per_step.items()
                                      if k.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperative"))),
             "graph_launches_per_step": per_step.get("cudaGraphLaunch", 0), "api_calls_per_step": per_step}
@@ -228,6 +244,7 @@ def decode_row(model: NemotronHForCausalLM, args: argparse.Namespace, backend: s
             engine.step()
         cached = [r.num_tokens - 1 + (args.repeats * args.steps - 1) / 2 for r in requests]  # mean over timed steps
         walls = []
+        steps, overlapped = engine.num_steps, engine.num_overlapped_steps
         with gc_off():
             for _ in range(args.repeats):
                 sync()
@@ -236,6 +253,8 @@ def decode_row(model: NemotronHForCausalLM, args: argparse.Namespace, backend: s
                     engine.step()
                 sync()
                 walls.append(time.perf_counter() - t0)
+        # Async scheduling: the share of timed steps launched before the previous step was read back.
+        row["overlapped_share"] = (engine.num_overlapped_steps - overlapped) / (engine.num_steps - steps)
         if device.type == "cuda" and args.profile_steps:
             row.update(profile_steps(engine, args.profile_steps, sync))
         if engine.scheduler.num_preemptions or any(r.status is not Status.RUNNING for r in requests):
@@ -246,7 +265,7 @@ def decode_row(model: NemotronHForCausalLM, args: argparse.Namespace, backend: s
         if device.type == "cuda":  # the weights alone, unless an engine leaks
             row["allocated_gb_after"] = torch.cuda.memory_allocated(device) / GiB
     wall = statistics.median(walls)
-    ops = decode_ops(model, backend.removesuffix("-eager"), args.window, cached)
+    ops = decode_ops(model, ssm_backend(backend), args.window, cached)
     floor = floors(ops, rates)
     row.update({"tok_s": batch * args.steps / wall, "step_ms": 1e3 * wall / args.steps, "walls_s": walls,
                 "mean_context": statistics.mean(cached) + 1, "gb_per_step": sum(op.bytes for op in ops) / 1e9,

@@ -34,6 +34,9 @@ def print_tables(result: dict) -> None:
               f"{fmt(g('roofline_bytes_tok_s'), '.0f')} / {fmt(g('roofline_tok_s'), '.0f')} | "
               f"{fmt(g('of_roofline_bytes'), '.0%')} / {fmt(g('of_roofline'), '.0%')} |")
     for r in result["decode"]:
+        if r["backend"].endswith("-async") and "overlapped_share" in r:
+            print(f"{r['backend']} batch {r['batch']}: {r['overlapped_share']:.0%} of the timed steps overlapped")
+    for r in result["decode"]:
         if r.get("top_kernels_ms"):
             top = ", ".join(f"{name} {ms:.3f}" for name, ms in r["top_kernels_ms"].items())
             print(f"top kernels, {r['backend']} batch {r['batch']} (ms/step): {top}")

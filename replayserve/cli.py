@@ -73,6 +73,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative", metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="plan and launch the next plain decode step while the device runs this one "
+                        "(not with --speculative)")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -88,7 +91,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             raise UserError("--speculative must be a JSON object")
     names = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
              "num_kv_blocks", "gpu_memory_utilization", "ssm_backend", "replay_window", "enable_prefix_caching",
-             "mamba_cache_mode", "num_mamba_cache_slots", "mamba_block_size", "enforce_eager")
+             "mamba_cache_mode", "num_mamba_cache_slots", "mamba_block_size", "enforce_eager",
+             "async_scheduling")
     return {**{n: getattr(args, n) for n in names}, "speculative": speculative}
 
 

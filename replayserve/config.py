@@ -342,6 +342,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     # CUDA only: run every step eagerly instead of replaying CUDA graphs of decode steps.
     enforce_eager: bool = False
+    # Plan and launch plain decode step N + 1 while the device runs step N (engine/engine.py).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         def fail(option: str, why: str) -> None:
@@ -369,6 +371,10 @@ class EngineConfig:
         if (self.speculative is not None and self.speculative.method == "mtp"
                 and not self.model.num_nextn_predict_layers):
             fail("speculative", "method 'mtp' needs a checkpoint with MTP layers (num_nextn_predict_layers = 1)")
+        if self.async_scheduling and self.speculative is not None:
+            fail("async_scheduling", "cannot be combined with speculative decoding: every decode step then "
+                 "verifies drafts proposed on the host from the previous step's tokens, so no step could overlap; "
+                 "turn one of them off")
         if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
             fail("mamba_cache_mode", f"{self.mamba_cache_mode!r} is not one of {MAMBA_CACHE_MODES}")
         if self.mamba_cache_mode != "none" and not self.enable_prefix_caching:

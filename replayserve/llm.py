@@ -49,6 +49,10 @@ class LLM:
     reserve leave (`cache_sizing.py`; the numbers are logged). On CPU the defaults stay.
     enforce_eager: on CUDA, run decode steps eagerly instead of replaying a CUDA graph per padded
     batch size (1, 2, 4, 8, multiples of 16 up to max_num_seqs; captured on first use).
+    async_scheduling: overlap the host with the device: while plain decode step N runs, the next
+    step is planned and launched, its input tokens taken from step N's on the device; outputs are
+    the same as without it. Steps with prefill chunks, Mamba boundary states (prefix caching) or
+    penalties / min_tokens run synchronously; speculative decoding is refused with it.
     """
 
     def __init__(
@@ -70,6 +74,7 @@ class LLM:
         mamba_block_size: int | None = None,
         speculative: dict | None = None,
         enforce_eager: bool = False,
+        async_scheduling: bool = False,
     ) -> None:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if dtype == "auto":
@@ -89,7 +94,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, mamba_cache_mode=mamba_cache_mode,
             num_mamba_cache_slots=num_mamba_cache_slots, mamba_block_size=mamba_block_size,
             speculative=None if speculative is None else SpeculativeConfig.from_dict(speculative),
-            enforce_eager=enforce_eager,
+            enforce_eager=enforce_eager, async_scheduling=async_scheduling,
         )
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("engine option device: 'cuda' was asked for but torch sees no CUDA device")

@@ -33,3 +33,16 @@ def test_bench_e2e_cpu_smoke(tmp_path: Path) -> None:
     assert replay["bytes_by_part"]["replay rings"] > 0 == baseline["bytes_by_part"]["replay rings"]
     assert {r["backend"] for r in result["prefill"]} == {"baseline", "replay"}
     assert all(r["prefill_tok_s"] > 0 and r["ttft_tok_s"] > 0 for r in result["prefill"])
+
+
+def test_bench_e2e_async_rows_overlap() -> None:
+    threads = torch.get_num_threads()
+    try:
+        result = bench_e2e.main(["--device", "cpu", "--size", "small", "--batch", "2", "--steps", "2", "--warmup",
+                                 "1", "--repeats", "1", "--prompt-len", "8", "--skip-prefill",
+                                 "--backends", "baseline-async", "replay-async"])
+    finally:
+        torch.set_num_threads(threads)
+    assert [r["backend"] for r in result["decode"]] == ["baseline-async", "replay-async"]
+    # Every timed step was launched before the previous one was read back.
+    assert all(r["tok_s"] > 0 and r["overlapped_share"] == 1 for r in result["decode"])

@@ -85,6 +85,8 @@ def test_make_tiny_refuses_a_non_empty_directory(tmp_path: Path, capsys: pytest.
     (["generate", "--model", "{model}", "--prompt", "x", "--speculative", "{oops"], "not valid JSON"),
     (["generate", "--model", "{model}", "--prompt", "x", "--speculative", '{"method": "eagle", '
       '"num_speculative_tokens": 2}'], "method"),
+    (["generate", "--model", "{model}", "--prompt", "x", "--async-scheduling", "--device", "cpu", "--speculative",
+      '{"method": "ngram", "num_speculative_tokens": 2}'], "async_scheduling"),
     (["generate", "--model", "{model}", "--prompt", "x", "--temperature", "-1"], "temperature"),
     (["generate", "--model", "{model}", "--prompt", "x", "--max-tokens", "many"], "invalid int"),
     (["generate", "--model", "{model}", "--prompt", "x", "--block-size", "0", "--device", "cpu"], "block_size"),

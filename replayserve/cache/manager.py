@@ -179,6 +179,10 @@ class CacheManager:
         """The request's blocks already cover ``num_tokens`` positions (most decode steps)."""
         return num_tokens <= len(self.owned[request_id].table) * self.block_size
 
+    def new_blocks(self, request_id: str, num_tokens: int) -> int:
+        """KV blocks the request needs beyond its table to hold ``num_tokens`` positions."""
+        return self._new_blocks(len(self.owned[request_id].table), num_tokens)
+
     def can_grow(self, request_id: str, num_tokens: int) -> bool:
         return self._new_blocks(len(self.owned[request_id].table), num_tokens) <= self.kv.num_free
 

@@ -5,8 +5,12 @@ A decode-only step (every row a decode token, or a speculative verify of 1 + dra
 padded to the smallest capture bucket that holds its rows, and every row to the step's width W
 (1, or 1 + k when any row verifies drafts). Padded rows and tokens point at a pad KV block and
 a pad Mamba state slot that no request owns, so whatever they compute lands where nothing reads
-it; each row's real token count travels with it. The step's inputs are written into one pinned
-host buffer and reach the device in one non-blocking copy; the graph of (bucket, W) then replays
+it; each row's real token count travels with it. The step's inputs are written into one of two
+pinned host buffers, used in turn (with async scheduling the next step is loaded while this
+one's copy may still wait behind the running step), and reach the device in one non-blocking
+copy. A plain decode step planned before the previous step's tokens reached the host (async
+scheduling) takes its input ids from those tokens on the device (`StepPlan.fed_rows`). The
+graph of (bucket, W) then replays
 the forward the runner gives it: the SSM backend's `begin_step`, the model and the logits of
 every token, and for plain decode (W = 1, every row keeps its one token) the `end_step`. Slot
 resets and copies before it, and sampling, a verify's `end_step` and publishing after it, stay
@@ -73,12 +77,15 @@ class DecodeGraphs:
         n, w, m = max_num_seqs, max_width, blocks_per_seq
         # One int64 buffer holds every input, so a step is one host-to-device copy: per token
         # the input id and KV slot, per row the context length, state slot (the pad slot on
-        # padded rows), row slot (-1 on padded rows), real token count and block table.
+        # padded rows), row slot (-1 on padded rows), real token count, the row of the previous
+        # step whose sampled token is its input (fed steps) and block table.
         self._spans = {"ids": n * w, "slots": n * w, "seq_lens": n, "state_slots": n, "row_slots": n,
-                       "num_tokens": n, "tables": n * m}
+                       "num_tokens": n, "fed_rows": n, "tables": n * m}
         size = sum(self._spans.values())
-        self._host = torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self._host_np = self._host.numpy()  # the same memory: numpy writes scalars without a torch op each
+        self._hosts = [torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda") for _ in range(2)]
+        # The same memory: numpy writes scalars without a torch op each.
+        self._host_nps = [host.numpy() for host in self._hosts]
+        self._current = 0  # the host buffer the step being loaded writes
         self._device = torch.zeros(size, dtype=torch.int64, device=device)
         self._offsets, start = {}, 0
         for name, span in self._spans.items():
@@ -89,9 +96,16 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = None
         self._rows, self._width = 0, 1
-        self._loaded_tables: list[tuple[int, ...] | None] = [None] * n  # the host buffer's table of each row
-        self._fill_pads(0, n, w)
+        # Per host buffer, the table each row holds there.
+        self._tables_in: list[list[tuple[int, ...] | None]] = [[None] * n for _ in self._hosts]
+        for _ in self._hosts:
+            self._fill_pads(0, n, w)
+            self._current ^= 1
         self._device.copy_(self._host)
+
+    @property
+    def _host(self) -> torch.Tensor:
+        return self._hosts[self._current]
 
     def _view(self, name: str, length: int) -> torch.Tensor:
         start = self._offsets[name]
@@ -99,7 +113,7 @@ class DecodeGraphs:
 
     def _host_view(self, name: str):  # noqa: ANN202 - a numpy view
         start = self._offsets[name]
-        return self._host_np[start : start + self._spans[name]]
+        return self._host_nps[self._current][start : start + self._spans[name]]
 
     @property
     def state_slots(self) -> torch.Tensor:
@@ -132,8 +146,9 @@ class DecodeGraphs:
         self._host_view("num_tokens")[start:bucket] = width
         m = self.blocks_per_seq
         self._host_view("tables")[start * m : bucket * m] = self.pad_block
+        loaded = self._tables_in[self._current]
         for i in range(start, bucket):  # those rows' tables are rewritten when a request takes them
-            self._loaded_tables[i] = None
+            loaded[i] = None
 
     def _context(self, bucket: int, width: int) -> StepContext:
         m = self.blocks_per_seq
@@ -148,15 +163,20 @@ class DecodeGraphs:
             decode_num_tokens=self._num_tokens32[:bucket], row_slots=self._view("row_slots", bucket),
         )
 
-    def load(self, plan: StepPlan, width: int) -> int:
+    def load(self, plan: StepPlan, width: int, fed: torch.Tensor | None = None) -> int:
         """Writes the plan's rows (each padded to `width` tokens, the rows to their bucket) into
-        the device buffers with one non-blocking copy; returns the bucket.
+        the device buffers with one non-blocking copy; returns the bucket. fed: the previous
+        step's sampled tokens (R,) int64 on the device, when the plan has `fed_rows`: row i's
+        input id is fed[fed_rows[i]], gathered on the device.
 
-        The pinned buffer is rewritten only here, after the previous step's sampled tokens
-        reached the host, which waited for that step's copy to finish."""
+        The two pinned buffers take turns: the one written here was last copied two steps ago,
+        and the host has since waited for the later of those steps' sampled tokens."""
         rows = len(plan.seqs)
         bucket = self.bucket(rows)
         assert bucket is not None
+        assert (fed is None) == (not plan.fed_rows), "a plan with fed rows needs the previous step's tokens"
+        assert fed is None or width == 1, "only plain decode rows are fed"
+        self._current ^= 1
         bs, m, pad = self.block_size, self.blocks_per_seq, self.pad_block
         ids, slots = self._host_view("ids"), self._host_view("slots")
         seq_lens, state_slots, counts = (self._host_view(k) for k in ("seq_lens", "state_slots", "num_tokens"))
@@ -179,19 +199,23 @@ class DecodeGraphs:
                 seq_lens[i], counts[i] = start + width, n
         state_slots[:rows] = [s.state_slot for s in seqs]
         self._host_view("row_slots")[:rows] = state_slots[:rows]
+        if plan.fed_rows:
+            self._host_view("fed_rows")[:rows] = plan.fed_rows
         # A row's table changes only when it gains a block (or the row holds another request):
-        # rows whose table is the one loaded last step are left as they are.
+        # rows whose table is the one this buffer last held are left as they are.
         tables = self._host_view("tables").reshape(-1, m)
-        loaded = self._loaded_tables
+        loaded = self._tables_in[self._current]
         for i, seq in enumerate(seqs):
             table = seq.block_table  # the cache manager's tuple: the same object until the table grows
             if loaded[i] is not table and loaded[i] != table:
                 tables[i, : len(table)] = table
                 tables[i, len(table) :] = pad
-                self._loaded_tables[i] = table
+                loaded[i] = table
         self._fill_pads(rows, bucket, width)
         self._rows, self._width = rows, width
         self._copy(bucket, width)
+        if fed is not None:  # after the copy, which wrote placeholders there
+            self._view("ids", rows).copy_(fed.index_select(0, self._view("fed_rows", rows)))
         return bucket
 
     def _copy(self, bucket: int, width: int) -> None:
@@ -215,6 +239,9 @@ class DecodeGraphs:
     def _capture(self, bucket: int, width: int) -> _Graph:
         ctx = self._context(bucket, width)
         ids = self._view("ids", bucket * width)
+        # The host buffer is rewritten below while its copy to the device may still be queued
+        # (behind a running step, with async scheduling): let it land first. Once per graph.
+        torch.cuda.current_stream().synchronize()
         # Triton kernels compile on their first call, which a capture cannot hold, so the forward
         # runs once before it. A decode step is not idempotent (it advances states and writes
         # KV), so that warm-up runs on pad rows only; capturing itself executes nothing.

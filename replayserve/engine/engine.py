@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from typing import NamedTuple
@@ -14,8 +15,8 @@ from replayserve.engine.penalties import uses_history
 from replayserve.engine.prompt_logprobs import PromptScores
 from replayserve.engine.request import Request, SamplingParams, Status
 from replayserve.engine.runner import Runner
-from replayserve.engine.sampler import SampleResult
-from replayserve.engine.scheduler import Scheduler
+from replayserve.engine.sampler import PendingSample, SampleResult
+from replayserve.engine.scheduler import Scheduler, StepPlan
 from replayserve.models.nemotron_h import NemotronHForCausalLM
 from replayserve.speculative.factory import make_proposer
 from replayserve.speculative.metrics import SpecMetrics
@@ -31,6 +32,15 @@ class Stop(NamedTuple):
     reason: str
     text: str | None
     cause: int | str | None
+
+
+class _Launched(NamedTuple):
+    """A plain decode step on the device whose tokens the host has not read (async scheduling)."""
+
+    plan: StepPlan
+    requests: list[Request]  # each row's request, in plan order
+    rewind: list[tuple[torch.Generator, torch.Tensor]]  # seeded generators' states before its draws
+    pending: PendingSample
 
 
 class Engine:
@@ -56,6 +66,12 @@ class Engine:
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0  # prompt (and recomputed) tokens run through prefill
         self.num_steps = 0
+        self.num_overlapped_steps = 0  # steps launched before the previous step's tokens were read
+        self._launched: _Launched | None = None
+        if config.async_scheduling:
+            logger.info("async scheduling: a plain decode step is planned and launched while the previous one runs; "
+                        "steps with prefill chunks, Mamba boundary states (prefix caching), penalties or min_tokens, "
+                        "and steps planned while a request waits for room or blocks run out, run synchronously")
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError for a request the engine cannot serve; touches no state."""
@@ -101,14 +117,15 @@ class Engine:
         """Counters since start: prefix cache (tokens, per group and usable), steps, preemptions."""
         return {**self.cache.metrics.as_dict(), **self.spec_metrics.as_dict(), "num_steps": self.num_steps,
                 "num_generated_tokens": self.num_generated_tokens, "num_prefill_tokens": self.num_prefill_tokens,
-                "num_preemptions": self.scheduler.num_preemptions}
+                "num_preemptions": self.scheduler.num_preemptions, "num_overlapped_steps": self.num_overlapped_steps}
 
     def abort(self, request: Request) -> None:
         if request.status is not Status.FINISHED:
             self._finish(request, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests wait or run, or a launched step has not been read back (async scheduling)."""
+        return self.scheduler.has_unfinished() or self._launched is not None
 
     def step(self) -> list[Request]:
         """Runs one step; returns the requests that finished in it.
@@ -116,15 +133,32 @@ class Engine:
         A step either completes or changes nothing a request can see: if anything raises (the
         forward, sampling, stop rules, publishing, an interrupt), the tokens it appended are taken
         back, seeded generators rewind, and its running requests are preempted (their states may
-        be half-written; they recompute when readmitted) with every block and slot returned."""
-        plan = self.scheduler.schedule(self._propose())
-        if not plan.seqs:
-            raise RuntimeError("the scheduler planned an empty step with requests pending")
+        be half-written; they recompute when readmitted) with every block and slot returned.
+
+        With async scheduling a plain decode step (`Scheduler.overlappable`) is launched, and
+        before its tokens are read the next one is planned and launched behind it when that is
+        a plain decode step too (`Scheduler.schedule_next`): a call then completes the step the
+        previous call launched and leaves its successor running on the device. A failed call
+        abandons both, as above."""
+        if self._launched is None:
+            plan = self.scheduler.schedule(self._propose())
+            if not plan.seqs:
+                raise RuntimeError("the scheduler planned an empty step with requests pending")
+            if not (self.config.async_scheduling and self.scheduler.overlappable(plan)):
+                return self._run(plan)
+            try:
+                self._launched = self._launch(plan)
+            except BaseException:
+                self.scheduler.land_all()
+                self.scheduler.abandon(plan)
+                raise
+        return self._complete_launched()
+
+    def _run(self, plan: StepPlan) -> list[Request]:
+        """A step run start to end: forward, sampling (its one host sync), stop rules, update."""
         unfinished = self.scheduler.unfinished
         sampling = [unfinished[s.request_id] for s in plan.seqs if s.sample]
-        # Most requests have no generator (greedy or unseeded): skip the lookup when none has.
-        generators = ([self._generators.get(r.request_id) for r in sampling] if self._generators
-                      else [None] * len(sampling))
+        generators = self._generators_of(sampling)
         rewind = [(g, g.get_state()) for g in generators if g is not None]
         lengths = [len(r.output_token_ids) for r in sampling]
         scored = [(r, len(r.prompt_logprobs)) for s in plan.seqs if s.prompt_targets
@@ -138,41 +172,112 @@ class Engine:
                 if seq.request_id in prompt_scores:
                     _add_prompt_scores(self.scheduler.unfinished[seq.request_id], seq.start_pos,
                                        prompt_scores[seq.request_id])
-            outcomes = [self._outcome(r, res) for r, res in zip(sampling, results, strict=True)]
-            emitted: dict[str, int] = {}
-            stopped: list[tuple[Request, Stop]] = []
-            for request, (tokens, logprobs, ranks, stop) in zip(sampling, outcomes, strict=True):
-                request.output_token_ids.extend(tokens)
-                request.output_logprobs.extend(logprobs)
-                request.output_ranks.extend(ranks)
-                self.num_generated_tokens += len(tokens)
-                emitted[request.request_id] = len(tokens)
-                if stop is not None:
-                    stopped.append((request, stop))
-            self.scheduler.update(plan, emitted)
-            for request, stop in stopped:
-                request.stop_reason = stop.cause
-                self._finish(request, stop.reason, stop.text)
+            emitted, finished = self._apply(plan, sampling, results)
         except BaseException:
-            for request, n in zip(sampling, lengths, strict=True):
-                if request.status is not Status.FINISHED:  # a request that finished here is complete
-                    del request.output_token_ids[n:], request.output_logprobs[n:], request.output_ranks[n:]
-            for request, n in scored:
-                del request.prompt_logprobs[n:], request.prompt_ranks[n:]
-            for gen, state in rewind:
-                gen.set_state(state)
-            self.num_generated_tokens = num_generated
+            self._take_back(sampling, lengths, scored, rewind, num_generated)
             self.scheduler.abandon(plan)
             raise
         if self.proposer is not None:
             self.spec_metrics.record({s.request_id: s.num_drafts for s in plan.seqs if s.num_drafts}, emitted)
-        self.num_steps += 1
         self.num_prefill_tokens += sum(len(s.token_ids) for s in plan.seqs if not s.is_decode)
+        self._count_step(plan)
+        return finished
+
+    def _launch(self, plan: StepPlan, fed: torch.Tensor | None = None) -> _Launched:
+        """Launches a plain decode step without waiting for it; fed: the previous launched step's
+        sampled tokens on the device, when the plan was made before they were known."""
+        requests = [self.scheduler.unfinished[s.request_id] for s in plan.seqs]
+        generators = self._generators_of(requests)
+        rewind = [(g, g.get_state()) for g in generators if g is not None]
+        self.scheduler.fly(plan)
+        try:
+            pending = self.runner.launch_decode(plan, [r.params for r in requests], generators, fed)
+        except BaseException:
+            for gen, state in rewind:
+                gen.set_state(state)
+            raise
+        return _Launched(plan, requests, rewind, pending)
+
+    def _complete_launched(self) -> list[Request]:
+        """Plans and launches the step after the launched one when `schedule_next` allows, then
+        waits for the launched step's tokens and applies them. Its rows whose request ended
+        after it was launched (a stop in the step before, an abort) are dropped: they ran on
+        memory that stays theirs until the step has landed (`Scheduler.fly`)."""
+        current, self._launched = self._launched, None
+        assert current is not None
+        lengths = [len(r.output_token_ids) for r in current.requests]
+        num_generated = self.num_generated_tokens
+        following: _Launched | None = None
+        try:
+            next_plan = self.scheduler.schedule_next(current.plan)
+            if next_plan is not None:
+                following = self._launch(next_plan, current.pending.tokens)
+            results = self.runner.collect(current.pending)
+            self.scheduler.land(current.plan)
+            plan, requests = current.plan, current.requests
+            live = [i for i, r in enumerate(requests) if r.status is Status.RUNNING]
+            if len(live) < len(requests):
+                plan = dataclasses.replace(plan, seqs=tuple(plan.seqs[i] for i in live))
+                requests, results = [requests[i] for i in live], [results[i] for i in live]
+            _, finished = self._apply(plan, requests, results)
+        except BaseException:
+            self._take_back(current.requests, lengths, [], current.rewind, num_generated)
+            self.scheduler.land_all()
+            self.scheduler.abandon(current.plan)
+            if following is not None:
+                self.scheduler.abandon(following.plan)
+            raise
+        self._launched = following
+        self.num_overlapped_steps += following is not None
+        self._count_step(plan)
+        return finished
+
+    def _generators_of(self, requests: list[Request]) -> list[torch.Generator | None]:
+        # Most requests have no generator (greedy or unseeded): skip the lookup when none has.
+        return ([self._generators.get(r.request_id) for r in requests] if self._generators
+                else [None] * len(requests))
+
+    def _apply(self, plan: StepPlan, sampling: list[Request],
+               results: list[SampleResult]) -> tuple[dict[str, int], list[Request]]:
+        """Appends each sampling row's tokens (cut by the stop rules), marks the plan's computed
+        tokens and publishes what they filled, then finishes the requests that stopped. Returns
+        the tokens each row appended and the finished requests."""
+        outcomes = [self._outcome(r, res) for r, res in zip(sampling, results, strict=True)]
+        emitted: dict[str, int] = {}
+        stopped: list[tuple[Request, Stop]] = []
+        for request, (tokens, logprobs, ranks, stop) in zip(sampling, outcomes, strict=True):
+            request.output_token_ids.extend(tokens)
+            request.output_logprobs.extend(logprobs)
+            request.output_ranks.extend(ranks)
+            self.num_generated_tokens += len(tokens)
+            emitted[request.request_id] = len(tokens)
+            if stop is not None:
+                stopped.append((request, stop))
+        self.scheduler.update(plan, emitted)
+        for request, stop in stopped:
+            request.stop_reason = stop.cause
+            self._finish(request, stop.reason, stop.text)
+        return emitted, [request for request, _ in stopped]
+
+    def _take_back(self, sampling: list[Request], lengths: list[int], scored: list[tuple[Request, int]],
+                   rewind: list[tuple[torch.Generator, torch.Tensor]], num_generated: int) -> None:
+        """Undoes what a failed step appended (a request it finished keeps its tokens: it is
+        complete) and rewinds the seeded generators to before its draws."""
+        for request, n in zip(sampling, lengths, strict=True):
+            if request.status is not Status.FINISHED:
+                del request.output_token_ids[n:], request.output_logprobs[n:], request.output_ranks[n:]
+        for request, n in scored:
+            del request.prompt_logprobs[n:], request.prompt_ranks[n:]
+        for gen, state in rewind:
+            gen.set_state(state)
+        self.num_generated_tokens = num_generated
+
+    def _count_step(self, plan: StepPlan) -> None:
+        self.num_steps += 1
         if self.config.enable_prefix_caching and logger.isEnabledFor(logging.DEBUG):
             m = self.cache.metrics
             logger.debug("step %d: %d seqs, %d tokens; prefix cache %d/%d tokens hit", self.num_steps,
                          len(plan.seqs), plan.num_tokens, m.hits, m.queries)
-        return [request for request, _ in stopped]
 
     def _propose(self) -> dict[str, tuple[int, ...]]:
         """Drafts for the running decode rows, proposed before the step is planned (a draft model

@@ -11,7 +11,7 @@ from replayserve.config import EngineConfig
 from replayserve.engine.cuda_graph import DecodeGraphs
 from replayserve.engine.prompt_logprobs import PromptScores, score_prompt
 from replayserve.engine.request import SamplingParams
-from replayserve.engine.sampler import SampleResult, sample
+from replayserve.engine.sampler import PendingSample, SampleResult, collect_sample, launch_sample, sample
 from replayserve.engine.scheduler import StepPlan
 from replayserve.engine.transfer import to_device
 from replayserve.layers.mamba2 import Mamba2Mixer
@@ -76,6 +76,10 @@ class Runner:
                             "on the host; use float32, bfloat16 or float16", self.dtype)
             else:
                 self.graphs = self.make_decode_graphs(capture=True)
+        if config.async_scheduling and self.graphs is None:
+            # Async steps need the fixed-shape decode path (no host sync inside the forward);
+            # without graphs (CPU, enforce_eager) it runs eagerly.
+            self.graphs = self.make_decode_graphs(capture=False)
 
     def make_decode_graphs(self, capture: bool) -> DecodeGraphs:
         """The padded fixed-shape decode path: replayed as CUDA graphs (capture) or run eagerly."""
@@ -181,6 +185,26 @@ class Runner:
                 self.ssm.end_step(decode_slots, self._ids(kept, torch.int32))
             self._publish_decode_boundaries(plan, kept)
         return StepOutput(results, scores)
+
+    @torch.inference_mode()
+    def launch_decode(self, plan: StepPlan, params: list[SamplingParams], generators: list[torch.Generator | None],
+                      fed: torch.Tensor | None = None) -> PendingSample:
+        """Queues a plain decode step (`Scheduler.overlappable`: one token per row, nothing to
+        publish) on the fixed-shape decode path, its sampling and the transfer of its tokens,
+        without waiting for the device; `collect` reads the results. The SSM backend's
+        begin_step and end_step run inside the forward. fed: the previous step's sampled tokens
+        (R,) int64 on the device when the plan has `fed_rows`. params and generators: per row."""
+        assert self.graphs is not None, "launch_decode needs the fixed-shape decode path (async_scheduling)"
+        assert not (plan.reset_slots or plan.state_copies)
+        bucket = self.graphs.load(plan, 1, fed)
+        _, logits = self.graphs.run(bucket, 1)
+        return launch_sample(logits[: len(plan.seqs)], params, generators,
+                             eos_token_ids=self.config.model.eos_token_ids)
+
+    @staticmethod
+    def collect(pending: PendingSample) -> list[SampleResult]:
+        """Waits for a launched step's tokens (its one host sync): one SampleResult per row."""
+        return collect_sample(pending)
 
     def _score_prompts(self, plan: StepPlan, hidden: torch.Tensor) -> dict[str, PromptScores]:
         """Prompt log-probabilities of the chunks that carry prompt_targets (prefill chunks: a

@@ -18,7 +18,8 @@ Per position, in float32 (float64 when the logits are float64):
 4. Log-probabilities of the model's distribution (before temperature and truncation), only when
    some row asks: the emitted token's with its rank, and the top-k.
 Tokens, accepted counts and the requested log-probabilities are packed into one tensor and reach
-the host in one transfer.
+the host in one transfer. `launch_sample` queues it and returns at once (the draws stay on the
+device, where async scheduling feeds them to the next step); `collect_sample` waits for it.
 
 A new per-request parameter is one more (N,) tensor in `SamplingBatch`, filled in
 `SamplingBatch.build`, and one more step in `filter_logits`.
@@ -179,28 +180,29 @@ def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Ten
     return draws, accepted
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
-           drafts: Sequence[Sequence[int]] | None = None,
-           histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
-           eos_token_ids: Sequence[int] = ()) -> list[SampleResult]:
-    """Samples every row of a step; one device-to-host transfer.
+class PendingSample(NamedTuple):
+    """A step's draws on the device, with their transfer to the host queued behind them
+    (`launch_sample`); `collect_sample` waits for it and unpacks the results."""
 
-    Args:
-        logits: (N, V), any float dtype: row i's 1 + len(drafts[i]) positions, rows in order.
-        params, generators: one SamplingParams and generator (None: unseeded) per row.
-        drafts: per row, the drafts its positions verify; None: every row is plain.
-        histories: per row, its (prompt, output) tokens so far, for penalties and min_tokens.
-        eos_token_ids: the model's, banned by min_tokens.
+    tokens: torch.Tensor  # (N,) int64 on the device: the token drawn at each position
+    host: torch.Tensor  # the transfer: filled once `ready` completes (pinned memory on CUDA)
+    ready: torch.cuda.Event | None  # None: `host` is filled already (CPU)
+    batch: SamplingBatch | None  # None: the greedy fast path, `host` holds the tokens
+    k_max: int  # top log-probabilities per position in the transfer
 
-    Returns:
-        One SampleResult per row. Reported log-probabilities are those of the model's distribution,
-        before temperature and truncation.
-    """
+
+def launch_sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+                  generators: Sequence[torch.Generator | None], drafts: Sequence[Sequence[int]] | None = None,
+                  histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+                  eos_token_ids: Sequence[int] = ()) -> PendingSample:
+    """Samples every row of a step on the device and queues the one device-to-host transfer,
+    without waiting for it (arguments as `sample`). Seeded generators advance now."""
     if histories is None and (drafts is None or not any(drafts)) and all(
             p.greedy and p.logprobs is None for p in params):
         # The common decode step: argmax per row and one transfer, without building the batch's
         # parameter columns (their Python loop is most of a large batch's sampling time).
-        return [SampleResult((token,), None) for token in logits.argmax(dim=-1).tolist()]
+        tokens = logits.argmax(dim=-1)
+        return PendingSample(tokens, *_to_host(tokens), None, 0)
     drafts = [()] * len(params) if drafts is None else drafts
     dtype = compute_dtype(logits.dtype)
     batch = SamplingBatch.build(params, generators, drafts, logits.shape[-1], dtype, logits.device)
@@ -219,8 +221,51 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
             top = logprobs.topk(k_max, dim=-1)
             parts += [top.indices, top.values]
     # float64 holds token ids exactly and float32 log-probabilities exactly.
-    host = torch.cat([p.reshape(-1).to(torch.float64) for p in parts]).tolist()
-    return _results(host, batch, k_max or 0)
+    packed = torch.cat([p.reshape(-1).to(torch.float64) for p in parts])
+    return PendingSample(draws, *_to_host(packed), batch, k_max or 0)
+
+
+def _to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """A copy of `values` on the host, queued on the stream (CUDA: into pinned memory, with an
+    event that completes when it has landed), so the host can go on while the device runs."""
+    if values.device.type != "cuda":
+        return values, None
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
+def collect_sample(pending: PendingSample) -> list[SampleResult]:
+    """Waits for a launched step's transfer (the step's one host sync) and unpacks it: one
+    SampleResult per row."""
+    if pending.ready is not None:
+        pending.ready.synchronize()
+    values = pending.host.tolist()
+    if pending.batch is None:
+        return [SampleResult((token,), None) for token in values]
+    return _results(values, pending.batch, pending.k_max)
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+           drafts: Sequence[Sequence[int]] | None = None,
+           histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+           eos_token_ids: Sequence[int] = ()) -> list[SampleResult]:
+    """Samples every row of a step; one device-to-host transfer.
+
+    Args:
+        logits: (N, V), any float dtype: row i's 1 + len(drafts[i]) positions, rows in order.
+        params, generators: one SamplingParams and generator (None: unseeded) per row.
+        drafts: per row, the drafts its positions verify; None: every row is plain.
+        histories: per row, its (prompt, output) tokens so far, for penalties and min_tokens.
+        eos_token_ids: the model's, banned by min_tokens.
+
+    Returns:
+        One SampleResult per row. Reported log-probabilities are those of the model's distribution,
+        before temperature and truncation.
+    """
+    return collect_sample(launch_sample(logits, params, generators, drafts, histories, eos_token_ids))
 
 
 def token_ranks(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:

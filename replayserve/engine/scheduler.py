@@ -3,11 +3,16 @@ prefix-cache admission.
 
 The scheduler decides which requests run and who owns which KV block and state slot; it never
 touches a tensor. Its output, a `StepPlan`, is plain data.
+
+With async scheduling the engine launches plain decode steps before the previous step's tokens
+are known (`schedule_next`) and tells the scheduler which steps are on the device (`fly`,
+`land`): the blocks and slot of a request that finishes while a launched step still runs it stay
+taken until that step has landed, so no other request can be handed memory it still writes.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -16,6 +21,9 @@ from replayserve.cache.manager import NO_HIT, BoundaryWrite, CacheManager
 from replayserve.config import MAMBA_CACHE_MODES
 from replayserve.engine.penalties import uses_history
 from replayserve.engine.request import Request, Status
+
+# The input id of a row fed on the device from the previous step's sampled token (`fed_rows`).
+FED_TOKEN = -1
 
 
 class ScheduledSeq(NamedTuple):
@@ -46,6 +54,9 @@ class StepPlan:
     preempted: tuple[str, ...]
     # (boundary slot, live slot) of prefix hits: copy the cached state in before the forward.
     state_copies: tuple[tuple[int, int], ...] = ()
+    # A plain decode step planned before the previous step's tokens were known (`schedule_next`):
+    # row i's input is the token sampled by row fed_rows[i] of that step (token_ids: FED_TOKEN).
+    fed_rows: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +79,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.unfinished: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._flying: Counter[str] = Counter()  # request id -> launched steps with a row of it, not landed
+        self._parked: list[Request] = []  # finished while flying: blocks and slot not yet returned
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -134,6 +147,86 @@ class Scheduler:
             budget -= n
             prefills.append(self._scheduled(request, n))
         return StepPlan(tuple(decodes + prefills), tuple(reset), tuple(preempted), tuple(copies))
+
+    def overlappable(self, plan: StepPlan) -> bool:
+        """Every row decodes one token and nothing between the steps needs the host: no drafts,
+        no Mamba boundary state, no slot reset or copy, no penalties or min_tokens (the sampler
+        reads those rows' tokens so far). The step after such a step can be planned before its
+        tokens are known (`schedule_next`)."""
+        if not plan.seqs or plan.reset_slots or plan.state_copies:
+            return False
+        return all(s.is_decode and not s.num_drafts and not s.boundary_writes
+                   and not uses_history(self.unfinished[s.request_id].params) for s in plan.seqs)
+
+    def schedule_next(self, plan: StepPlan) -> StepPlan | None:
+        """The plain decode step after `plan`, planned while `plan` runs (async scheduling): its
+        requests' tokens are not updated by it yet, and each row goes on from the token `plan`
+        samples for it, which the runner feeds on the device (`StepPlan.fed_rows`). A request
+        that token surely ends (max_tokens, max_model_len) gets no row; one that a stop token or
+        string ends runs once more, and the engine drops that row's result.
+
+        None when `schedule` might plan anything else once `plan`'s tokens are in: an admission
+        (a request waits and there is room), a prefill chunk, a request the budget leaves out, a
+        preemption (too few free KV blocks), a Mamba boundary state. Only KV blocks are taken.
+        `plan` must be `overlappable`."""
+        rows: list[tuple[int, Request, ScheduledSeq]] = []
+        in_plan = 0
+        for i, seq in enumerate(plan.seqs):
+            request = self.unfinished.get(seq.request_id)
+            if request is None or request.status is not Status.RUNNING:
+                continue  # aborted while the step ran
+            in_plan += 1
+            num_output = len(request.output_token_ids) + 1  # with the token `plan` samples
+            if num_output >= request.params.max_tokens or (
+                    self.max_model_len is not None
+                    and len(request.prompt_token_ids) + num_output >= self.max_model_len):
+                continue
+            rows.append((i, request, seq))
+        room = min(self.max_num_seqs, self.max_num_batched_tokens)
+        if (not rows or in_plan != len(self.running) or len(rows) > self.max_num_batched_tokens
+                or (self.waiting and len(rows) < room)):
+            return None
+        grid = self.cache.state_block if self.mamba_cache_mode != "none" else 0
+        need = 0
+        for _, request, seq in rows:
+            end = seq.start_pos + 2  # the next step computes position start_pos + 1
+            if grid and end % grid == 0:
+                return None
+            need += self.cache.new_blocks(request.request_id, end)
+        if need > self.cache.kv.num_free:
+            return None
+        seqs = []
+        for _, request, seq in rows:
+            end = seq.start_pos + 2
+            if not self.cache.holds(request.request_id, end):
+                self.cache.grow(request.request_id, end)
+            seqs.append(ScheduledSeq(request.request_id, (FED_TOKEN,), end - 1, self.cache.table(request.request_id),
+                                     seq.state_slot, is_decode=True, sample=True))
+        return StepPlan(tuple(seqs), (), (), fed_rows=tuple(i for i, _, _ in rows))
+
+    def fly(self, plan: StepPlan) -> None:
+        """`plan` was launched: until it lands, its requests' blocks and slots stay taken."""
+        self._flying.update(s.request_id for s in plan.seqs)
+
+    def land(self, plan: StepPlan) -> None:
+        """`plan` has finished on the device: requests that finished while it ran give back their
+        blocks and slot once no other launched step has a row of them."""
+        for seq in plan.seqs:
+            self._flying[seq.request_id] -= 1
+            if self._flying[seq.request_id] <= 0:
+                del self._flying[seq.request_id]
+        self._return_parked()
+
+    def land_all(self) -> None:
+        """Forgets every launched step (they are abandoned): every later use of what they held is
+        queued behind them on the device."""
+        self._flying.clear()
+        self._return_parked()
+
+    def _return_parked(self) -> None:
+        for request in [r for r in self._parked if r.request_id not in self._flying]:
+            self._parked.remove(request)
+            self._free(request)
 
     def draft_room(self, request: Request) -> int:
         """How many drafts a running request may verify next step (0: none): at most k, and what
@@ -209,6 +302,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, count: bool = True) -> None:
         """Recompute preemption: drop the request's KV and state; it prefills again on readmission."""
+        assert request.request_id not in self._flying, "a request is preempted while a launched step runs it"
         self._release(request)
         request.status = Status.WAITING
         request.num_computed_tokens = 0
@@ -219,6 +313,12 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self.running.remove(request)
+        if request.request_id in self._flying:  # a launched step still writes its KV and state
+            self._parked.append(request)
+        else:
+            self._free(request)
+
+    def _free(self, request: Request) -> None:
         self.cache.free(request)
         request.state_slot = None
 

@@ -100,3 +100,5 @@ class _EngineCollector:
         yield counter("spec_decode_accepted_tokens", "Speculative tokens accepted", "spec_num_accepted_tokens")
         yield counter("num_preemptions", "Requests preempted (recomputed)", "num_preemptions")
         yield counter("engine_steps", "Engine steps run", "num_steps")
+        yield counter("engine_overlapped_steps", "Engine steps launched while the previous step ran "
+                      "(async scheduling)", "num_overlapped_steps")

@@ -1,11 +1,13 @@
 """A randomized differential fuzzer of the engine (float64, CPU).
 
 Each seeded workload picks an engine configuration (SSM backend, prefix caching and mode,
-speculation by n-gram, draft model, MTP or an oracle, small pools, small token budgets) and a
+speculation by n-gram, draft model, MTP or an oracle, or else async scheduling, small pools,
+small token budgets) and a
 stream of greedy requests (shared prefixes, stop tokens, stop strings, arrivals while others run,
 aborts), and injects exceptions (``RuntimeError`` or ``KeyboardInterrupt``) at every stage of a
 step: drafting, the forward, the SSM step's end, stop-string decoding, publishing, the update,
-finishing. After each fault the engine keeps stepping. The outcome must be:
+finishing (an async step's launch and read-back count as the forward's start and end). After
+each fault the engine keeps stepping. The outcome must be:
 
 - every request that finished has exactly the tokens (and stop text) of the plain solo run:
   the request alone in a default engine, its greedy path cut by the same stop rules;
@@ -163,6 +165,8 @@ def make_workload(seed: int, reference: Reference, models: Models) -> Workload:
     for step in range(40):
         if rng.random() < 0.12:
             faults[step] = (rng.choice(STAGES), rng.choice((InjectedFault, KeyboardInterrupt)))
+    # Drawn last, so the draws above are what they were before the option existed.
+    options["async_scheduling"] = spec_method is None and rng.random() < 0.5
     return Workload(seed, options, arrivals, faults)
 
 
@@ -176,6 +180,9 @@ class FaultInjector:
         self._wrap(engine.proposer, "propose_request", "propose", after=False)
         self._wrap(engine.runner, "execute", "execute_before", after=False)
         self._wrap(engine.runner, "execute", "execute_after", after=True)
+        # Async scheduling's steps: launched (the forward queued), then read back.
+        self._wrap(engine.runner, "launch_decode", "execute_before", after=False)
+        self._wrap(engine.runner, "collect", "execute_after", after=True)
         self._wrap(engine.runner.ssm, "end_step", "ssm_end_step", after=True)
         self._wrap(engine.tokenizer, "decode", "decode", after=False)
         self._wrap(engine.cache, "publish", "publish_after", after=True)

@@ -1,6 +1,6 @@
 """Admission control (429 with Retry-After past max_num_seqs + max_waiting_requests), clients that
 hang up (aborted, blocks and slots freed), and an engine fault (500 for the requests in flight,
-then the server serves again)."""
+then the server serves again); with and without async scheduling."""
 
 from __future__ import annotations
 
@@ -19,10 +19,11 @@ LONG = {"model": MODEL_NAME, "prompt": "Hybrid language models mix", "max_tokens
         "temperature": 0}
 
 
-@pytest.fixture(scope="module")
-def small(tiny_model_dir: Path) -> Iterator[RunningServer]:
-    """Two requests run at once and none may wait."""
-    running = start_server(tiny_model_dir, engine={"max_num_seqs": 2}, max_waiting_requests=0)
+@pytest.fixture(scope="module", params=[{}, {"async_scheduling": True, "speculative": None}], ids=["sync", "async"])
+def small(tiny_model_dir: Path, request: pytest.FixtureRequest) -> Iterator[RunningServer]:
+    """Two requests run at once and none may wait; with async scheduling, a hang-up aborts a
+    request while a launched step still runs it."""
+    running = start_server(tiny_model_dir, engine={"max_num_seqs": 2, **request.param}, max_waiting_requests=0)
     yield running
     stop_server(running)
 
