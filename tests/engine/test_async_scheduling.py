@@ -362,7 +362,7 @@ def test_speculative_decoding_is_refused(setup) -> None:  # noqa: ANN001
 def test_graphed_async_decode_equals_sync(setup, backend: str) -> None:  # noqa: ANN001
     models, reference = setup
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=0) for m in (40, 7, 25, 3, 33)]
-    params[2] = SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True,
+    params[2] = SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True, logprobs=0,
                                stop_token_ids=[reference.path(reference.pool[2])[5]])
     prompts = [{"prompt_token_ids": p} for p in reference.pool[:5]]
     outs = []
