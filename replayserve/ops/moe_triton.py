@@ -272,7 +272,9 @@ def default_config(num_pairs: int, num_experts: int) -> GemmConfig:
         return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
     if mean <= 64:
         return GemmConfig(block_m=32 if mean <= 32 else 64, block_n=64, block_k=64, num_warps=4, num_stages=4)
-    return GemmConfig(block_m=64 if mean <= 256 else 128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    # H200 sweep, Nano's shape at 2048 tokens (96 pairs an expert): 1065 us against 1185 us for
+    # the 64-row, 8-warp tiles this replaced.
+    return GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=3)
 
 
 def fused_moe_triton(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weights: Tensor,
