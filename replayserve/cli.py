@@ -6,28 +6,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from replayserve.config import DTYPES, MAMBA_CACHE_MODES, SSM_BACKENDS
+from replayserve.tiny_code import TINY_CODE, resolve_model
 
 if TYPE_CHECKING:
     from replayserve.outputs import Logprob
-
-DEMO_PROMPTS = [
-    "Hybrid language models mix",
-    "The quick brown fox",
-    "def fibonacci(n):",
-    "Once upon a time there was",
-    "Serving such a model means",
-    "Numbers: 0 1 2",
-    "A Mamba2 layer keeps",
-    "Questions? Answers!",
-]
 
 
 class UserError(Exception):
@@ -38,11 +25,6 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(2)
-
-
-def default_demo_dir() -> Path:
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache) / "replayserve" / "tiny-nemotron-h"
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -97,36 +79,25 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _add_model_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="a Hugging Face model directory (config.json, safetensors)")
+    p.add_argument("--model", default=TINY_CODE,
+                   help="a Hugging Face model directory (config.json, safetensors) or the built-in "
+                        f"{TINY_CODE} (default %(default)s)")
 
 
 def _model_dir(path: str) -> str:
-    if not Path(path).is_dir():
+    """The directory `--model` names: a built-in model's, or the path itself when it exists."""
+    resolved = resolve_model(path)
+    if not Path(resolved).is_dir():
         raise UserError(f"the model directory {path} does not exist")
-    return path
+    return resolved
 
 
 def _demo(args: argparse.Namespace) -> None:
-    from replayserve import LLM, SamplingParams
-    from replayserve.tiny import make_tiny
+    from replayserve.demo import run_demo
 
-    model_dir = Path(args.model_dir or default_demo_dir())
-    if not (model_dir / "config.json").is_file():
-        print(f"writing a tiny random Nemotron-H to {model_dir}")
-        make_tiny(model_dir, seed=0)
-    llm = LLM(model=str(model_dir), **engine_options(args))
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    llm.generate(DEMO_PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)  # warm-up
-    rates = []
-    for _ in range(args.repeats):  # the median over repeats: one noisy run cannot set the figure
-        start = time.perf_counter()
-        outputs = llm.generate(DEMO_PROMPTS, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        rates.append(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed)
-    for prompt, out in zip(DEMO_PROMPTS, outputs, strict=True):
-        print(f"{prompt!r} -> {out.outputs[0].text!r}")
-    print(f"throughput: median {statistics.median(rates):.1f} tok/s over {args.repeats} runs "
-          f"(batch {len(outputs)}, {llm.config.dtype}, {llm.config.device})")
+    if args.num_drafts < 1:
+        raise UserError(f"--num-drafts must be >= 1, got {args.num_drafts}")
+    run_demo(_model_dir(args.model), args.max_tokens, args.repeats, args.num_drafts, engine_options(args))
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -199,10 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"replayserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    demo = sub.add_parser("demo", help="generate with a tiny built-in model and print the throughput")
-    demo.add_argument("--model-dir", help=f"where the tiny model lives (default {default_demo_dir()})")
-    demo.add_argument("--max-tokens", type=int, default=32, help="tokens per prompt (default %(default)s)")
+    demo = sub.add_parser("demo", help="continue a few Python prompts with the built-in model; tok/s and "
+                                       "acceptance without speculation and with n-gram and MTP drafts")
+    _add_model_option(demo)
+    demo.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt (default %(default)s)")
     demo.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up (default %(default)s)")
+    demo.add_argument("--num-drafts", type=int, default=3,
+                      help="draft tokens per step of the n-gram and MTP rows (default %(default)s)")
     add_engine_options(demo)
 
     gen = sub.add_parser("generate", help="generate from a model directory")

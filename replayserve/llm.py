@@ -17,6 +17,7 @@ from replayserve.engine.engine import Engine
 from replayserve.engine.request import Request, SamplingParams
 from replayserve.models.loader import load_model
 from replayserve.outputs import CompletionOutput, RequestOutput, to_logprobs
+from replayserve.tiny_code import resolve_model
 from replayserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,8 @@ _TORCH_DTYPES = {
 class LLM:
     """A loaded model and its engine.
 
+    model: a Hugging Face model directory, or the built-in "replayserve/tiny-code" (a small
+    Nemotron-H with an MTP layer trained on the Python standard library, shipped with the package).
     dtype: "auto" (bfloat16 on CUDA, float32 on CPU) or one of float32/float64/bfloat16/float16.
     ssm_backend: "baseline" (state read and written every decode step) or "replay" (ReplaySSM:
     checkpoint + rings of the last `replay_window` tokens' inputs, state written on flush).
@@ -76,6 +79,7 @@ class LLM:
         enforce_eager: bool = False,
         async_scheduling: bool = False,
     ) -> None:
+        model = resolve_model(model)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if dtype == "auto":
             dtype = "bfloat16" if device.startswith("cuda") else "float32"

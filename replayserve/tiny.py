@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -33,8 +34,9 @@ Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Questions? Answers! Lists, commas; col
 """
 
 
-def train_tokenizer(vocab_size: int = 512) -> Tokenizer:
-    """A byte-level BPE tokenizer trained on the built-in corpus."""
+def train_tokenizer(vocab_size: int = 512, texts: Iterable[str] | None = None) -> Tokenizer:
+    """A byte-level BPE tokenizer trained on `texts` (default: the built-in corpus's lines), with
+    `SPECIAL_TOKENS` first; deterministic for the same texts."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -44,7 +46,7 @@ def train_tokenizer(vocab_size: int = 512) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    tok.train_from_iterator(_CORPUS.splitlines() if texts is None else texts, trainer=trainer)
     return tok
 
 

@@ -67,6 +67,29 @@ def test_generate_prints_logprobs_and_prompt_logprobs(tiny_model_dir: Path, caps
                                                                "(rank 1); top: ")
 
 
+def test_demo_prints_python_and_a_table_of_drafts(capsys: pytest.CaptureFixture) -> None:
+    code, out, err = _run(["demo", "--max-tokens", "8", "--repeats", "1", "--device", "cpu"], capsys)
+    assert code == 0, err
+    assert "def fibonacci(n):" in out
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
+    assert [r.split(" | ")[0] for r in rows[1:]] == ["| none", "| n-gram", "| MTP"]
+    assert "| 1.00x | - |" in rows[1] and all("%" in r for r in rows[2:])  # acceptance of the drafting rows
+
+
+def test_generate_and_serve_default_to_the_builtin_model(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    import replayserve.server
+
+    code, out, err = _run(["generate", "--prompt", "import os", "--max-tokens", "4", "--device", "cpu"], capsys)
+    assert code == 0 and out.startswith("=== prompt 0 ===\nimport os\n"), err
+    seen = {}
+    monkeypatch.setattr(replayserve.server, "create_app", lambda llm, name, waiting: seen.update(llm=llm, name=name))
+    monkeypatch.setattr(replayserve.server, "serve", lambda app, host, port, timeout: None)
+    code, _, err = _run(["serve", "--device", "cpu"], capsys)
+    assert code == 0, err
+    assert seen["name"] == "replayserve/tiny-code" and seen["llm"].config.model.num_nextn_predict_layers == 1
+
+
 def test_make_tiny_refuses_a_non_empty_directory(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     (tmp_path / "keep.txt").write_text("mine")
     code, _, err = _run(["make-tiny", str(tmp_path)], capsys)
@@ -79,7 +102,7 @@ def test_make_tiny_refuses_a_non_empty_directory(tmp_path: Path, capsys: pytest.
 @pytest.mark.parametrize(("argv", "message"), [
     ([], "required"),
     (["serve-everything"], "invalid choice"),
-    (["generate", "--prompt", "x"], "--model"),
+    (["demo", "--num-drafts", "0"], "--num-drafts"),
     (["generate", "--model", "/no/such/dir", "--prompt", "x"], "does not exist"),
     (["generate", "--model", "{model}", "--prompt", "x", "--dtype", "int8"], "invalid choice"),
     (["generate", "--model", "{model}", "--prompt", "x", "--speculative", "{oops"], "not valid JSON"),

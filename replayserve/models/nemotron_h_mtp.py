@@ -44,26 +44,41 @@ class NemotronHMTP(nn.Module):
         n = len(cfg.mtp_layer_types)
         self.layers = nn.ModuleList(MTPBlock(cfg, t, i == 0, i == n - 1) for i, t in enumerate(cfg.mtp_layer_types))
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """embeds (L, hidden): embeddings of tokens i + 1; hidden (L, hidden): the hidden state that
         predicted them (the target's, or this module's own for chained drafts). Causal over the L
-        positions, no cache. Returns (L, hidden) after final_layernorm: row i predicts token i + 2."""
+        positions, no cache. Returns (L, hidden) after final_layernorm: row i predicts token i + 2.
+
+        last_only: return the last row alone, (1, hidden): what a proposer needs, at a fraction of
+        the cost. Rows are independent after the last attention block, so that block attends from
+        the last position only and the blocks after it (all of them when none attends) run on the
+        last row."""
+        attends = [i for i, block in enumerate(self.layers) if block.block_type == ATTENTION]
+        last_attention = attends[-1] if attends else -1
+        if last_only and last_attention < 0:
+            embeds, hidden = embeds[-1:], hidden[-1:]
         first = self.layers[0]
         x = first.eh_proj(torch.cat([first.enorm(embeds), first.hnorm(hidden)], dim=-1))
-        for block in self.layers:
+        for i, block in enumerate(self.layers):
             h = block.norm(x)
-            x = x + (_causal_attention(block.mixer, h) if block.block_type == ATTENTION else block.mixer(h))
+            if block.block_type == ATTENTION:
+                last = last_only and i == last_attention  # every key, the last query only
+                x = (x[-1:] if last else x) + _causal_attention(block.mixer, h, last)
+            else:
+                x = x + block.mixer(h)
         return self.layers[-1].final_layernorm(x)
 
 
-def _causal_attention(attn: Attention, hidden: torch.Tensor) -> torch.Tensor:
-    """The attention mixer over `hidden` alone: one sequence in a single block of its own length."""
+def _causal_attention(attn: Attention, hidden: torch.Tensor, last_query_only: bool = False) -> torch.Tensor:
+    """The attention mixer over `hidden` alone: one sequence in a single block of its own length.
+    Returns (L, hidden), or (1, hidden) for the last position with `last_query_only`."""
     t = hidden.shape[0]
-    q = attn.q_proj(hidden).view(t, attn.num_heads, attn.head_dim)
+    queries = hidden[-1:] if last_query_only else hidden
+    q = attn.q_proj(queries).view(queries.shape[0], attn.num_heads, attn.head_dim)
     k = attn.k_proj(hidden).view(1, t, attn.num_kv_heads, attn.head_dim)
     v = attn.v_proj(hidden).view(1, t, attn.num_kv_heads, attn.head_dim)
     dev = hidden.device
     out = paged_attention_ref(q, k, v, torch.zeros(1, 1, dtype=torch.int64, device=dev),
-                              torch.tensor([0, t], device=dev), torch.tensor([t], device=dev), attn.scale,
+                              torch.tensor([0, q.shape[0]], device=dev), torch.tensor([t], device=dev), attn.scale,
                               batch_decodes=False)
-    return attn.o_proj(out.reshape(t, -1))
+    return attn.o_proj(out.reshape(q.shape[0], -1))

@@ -62,7 +62,7 @@ class MTPProposer(Proposer):
         embeds = embed(ids)
         drafts: list[int] = []
         for _ in range(k):
-            out = self.model.mtp(embeds, hidden)
+            out = self.model.mtp(embeds, hidden, last_only=True)
             token = int(self.model.compute_logits(out[-1:]).argmax(-1))
             drafts.append(token)
             embeds = torch.cat([embeds, embed(torch.tensor([token], device=hidden.device))])
