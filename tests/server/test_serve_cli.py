@@ -19,7 +19,7 @@ import pytest
 
 from replayserve.cli import main
 
-MAX_TOKENS = 64
+MAX_TOKENS = 256  # long enough that requests are still running when all 8 are admitted
 
 
 def _start(model_dir: Path) -> tuple[subprocess.Popen, str]:
@@ -53,9 +53,12 @@ def _stream(base_url: str) -> tuple[int, bool]:
     return usage, done
 
 
-def _num_running(base_url: str) -> float:
+def _running_and_finished(base_url: str) -> tuple[float, float]:
+    """Requests in the running batch, and completions ended so far (any finish reason)."""
     text = httpx.get(f"{base_url}/metrics").text
-    return float(re.search(r'^replayserve_num_requests_running\{model_name="tiny"\} (\S+)$', text, re.M).group(1))
+    running = float(re.search(r'^replayserve_num_requests_running\{model_name="tiny"\} (\S+)$', text, re.M).group(1))
+    finished = sum(float(v) for v in re.findall(r"^replayserve_request_finished_total\{.*\} (\S+)$", text, re.M))
+    return running, finished
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -65,8 +68,11 @@ def test_a_signal_mid_load_finishes_in_flight_requests_and_exits_0(tiny_model_di
         with ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(_stream, base_url) for _ in range(8)]
             deadline = time.monotonic() + 30
-            while _num_running(base_url) < 8:  # all admitted: SIGTERM lands mid-load, not before it
-                assert time.monotonic() < deadline, "the load never started"
+            while True:  # all 8 admitted and some still running: SIGTERM lands mid-load, not before it
+                running, finished = _running_and_finished(base_url)
+                if running >= 1 and running + finished >= 8:
+                    break
+                assert time.monotonic() < deadline, f"the load never started ({running} running, {finished} done)"
                 time.sleep(0.02)
             signal_at = time.monotonic()
             proc.send_signal(sig)
