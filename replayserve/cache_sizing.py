@@ -52,7 +52,7 @@ class CachePlan:
     kv_bytes: int  # as `cache_memory.cache_bytes` counts them: pad block and pad slot included
     mamba_bytes: int
     budget: int  # bytes the caches may take
-    in_use: int  # bytes this process held when measured (weights)
+    held: int  # bytes this process held when measured (weights)
     activation_reserve: int
 
     def apply(self, config: EngineConfig) -> EngineConfig:
@@ -62,7 +62,7 @@ class CachePlan:
 
     def describe(self, config: EngineConfig) -> str:
         return (f"gpu_memory_utilization={config.gpu_memory_utilization}: {self.budget / GiB:.2f} GiB for caches "
-                f"({self.in_use / GiB:.2f} GiB held after loading weights, {self.activation_reserve / GiB:.2f} GiB "
+                f"({self.held / GiB:.2f} GiB held after loading weights, {self.activation_reserve / GiB:.2f} GiB "
                 f"kept for activations): {self.num_kv_blocks} KV blocks of {config.block_size} tokens "
                 f"({self.kv_bytes / GiB:.2f} GiB), {config.max_num_seqs} live + {self.num_mamba_cache_slots} cached "
                 f"Mamba state slots ({self.mamba_bytes / GiB:.2f} GiB)")
@@ -108,9 +108,8 @@ def plan_cache_sizes(config: EngineConfig, free: int, total: int, own: int) -> C
         when what it plans is not free on the device.
     """
     dtype = getattr(torch, config.dtype)
-    in_use = own
     reserve = activation_reserve(config)
-    budget = int(total * config.gpu_memory_utilization) - in_use - reserve
+    budget = int(total * config.gpu_memory_utilization) - own - reserve
 
     def cost(blocks: int, slots: int) -> int:
         return sum(cache_bytes_for(config, dtype, blocks, slots))
@@ -136,7 +135,7 @@ def plan_cache_sizes(config: EngineConfig, free: int, total: int, own: int) -> C
         need = fixed + config.blocks_per_seq * per_block + states_per_seq * per_slot
         raise ConfigError(
             f"engine option gpu_memory_utilization: {config.gpu_memory_utilization} of {total / GiB:.2f} GiB leaves "
-            f"{max(budget, 0) / GiB:.2f} GiB for caches ({in_use / GiB:.2f} GiB held by this process, "
+            f"{max(budget, 0) / GiB:.2f} GiB for caches ({own / GiB:.2f} GiB held by this process, "
             f"{reserve / GiB:.2f} GiB kept for activations of max_num_batched_tokens="
             f"{config.max_num_batched_tokens}); one sequence of "
             f"max_model_len={config.resolved_max_model_len} needs {need / GiB:.2f} GiB: raise gpu_memory_utilization "
@@ -148,7 +147,7 @@ def plan_cache_sizes(config: EngineConfig, free: int, total: int, own: int) -> C
             f"{(kv + mamba) / GiB:.2f} GiB of caches and {reserve / GiB:.2f} GiB for activations, but only "
             f"{free / GiB:.2f} GiB are free ({max(total - free - own, 0) / GiB:.2f} GiB held by other processes): "
             "lower gpu_memory_utilization or give num_kv_blocks")
-    return CachePlan(blocks, slots, kv, mamba, budget, in_use, reserve)
+    return CachePlan(blocks, slots, kv, mamba, budget, own, reserve)
 
 
 def size_caches(config: EngineConfig) -> EngineConfig:
