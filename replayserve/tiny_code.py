@@ -85,17 +85,16 @@ def heldout_perplexity(llm: LLM, windows: Sequence[Sequence[int]]) -> float:
 
 
 def function_headers(texts: Sequence[str], limit: int) -> list[str]:
-    """Up to `limit` prompts: the first one-line `def` header of each text, dedented, without its
-    newline. The model writes the newline itself: byte-level BPE merges a newline with the next
-    line's indentation, so a prompt that ended in a bare newline would announce an unindented line."""
+    """Up to `limit` prompts: one-line `def` headers, dedented, without their newline, taken round
+    robin (every text's first header, then every text's second, ...) so that many prompts still
+    come from many files. The model writes the newline itself: byte-level BPE merges a newline with
+    the next line's indentation, so a prompt that ended in a bare newline would announce an
+    unindented line."""
+    per_text = [[line.strip() for line in text.splitlines() if _HEADER.match(line)] for text in texts]
     headers = []
-    for text in texts:
-        line = next((line for line in text.splitlines() if _HEADER.match(line)), None)
-        if line is not None:
-            headers.append(line.strip())
-        if len(headers) == limit:
-            break
-    return headers
+    for rank in range(max(map(len, per_text), default=0)):
+        headers.extend(found[rank] for found in per_text if rank < len(found))
+    return headers[:limit]
 
 
 def completes_as_python(header: str, continuation: str) -> bool:
