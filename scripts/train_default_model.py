@@ -26,9 +26,10 @@ The first run also builds the tokenizer and token streams (about a minute); each
 the minutes left (`eta_min`) every 10 steps. Then replace the package's files with the export:
 `rm replayserve/models/tiny_code/* && cp runs/tiny-code/model/* replayserve/models/tiny_code/` (or
 add `--install` to the last run), and set `MIN_HEADER_SHARE` in tests/test_tiny_code.py from the
-new `eval.json`. The shipped weights came from two runs on 2026-12-04 (torch 2.11, Python 3.12.3's
-stdlib: 330 steps): `--minutes 2.4` stopped at step 208 (tokenizer and streams ~1 min, 227k
-tokens/s), `--minutes 2 --resume` finished (55 s of training in all; held-out perplexity 14.4).
+new `eval.json`. The shipped weights came from one run on 2026-12-04 (torch 2.11, Python 3.12.3's
+stdlib: 2.7M training tokens, 8 passes = 659 steps): `--minutes 6.5` (tokenizer and streams ~1 min,
+104 s of training at ~210k tokens/s; held-out perplexity 12.1, 43 of 64 held-out function headers
+Python). The 4-pass weights before them (330 steps, 55 s) had perplexity 14.4 and 9 of 24 headers.
 The CPU placeholder shipped before them (2 shared cores, one thread: 50 minutes, stopped at step
 1,995 by the budget and finished by a second run with `--resume`):
 
