@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from replayserve.ops.conv1d_varlen_triton import causal_conv1d_varlen_triton
+from replayserve.ops.copy_rows import copy_rows
 from replayserve.ops.ssd_triton import VarlenChunks, ssd_varlen_scan_triton, varlen_chunks
 from replayserve.ssm.backend import MambaParams, Segment
 
@@ -100,8 +101,7 @@ def packed_prefill(
     Returns y (hi - lo, H, P).
     """
     if plan.capture_dst is not None:  # conv windows of inner captures, before the slots are overwritten
-        columns = torch.cat([conv_state[plan.slots].transpose(1, 2).flatten(0, 1), xbc.to(conv_state.dtype)])
-        conv_state[plan.capture_dst] = columns[plan.conv_index].transpose(1, 2)
+        conv_state.index_copy_(0, plan.capture_dst, capture_windows(plan, conv_state, xbc))
     xbc = causal_conv1d_varlen_triton(xbc, params.conv_weight, params.conv_bias, conv_state, plan.slots,
                                       plan.cu_seqlens, token_seq=plan.token_seq)
     x, b, c = split_xbc(xbc)
@@ -110,8 +110,22 @@ def packed_prefill(
         dt_bias=params.dt_bias, dt_limit=params.dt_limit, return_grid_states=True, chunks=plan.chunks,
     )
     if plan.grid_entry is not None:
-        ssm_state[plan.capture_dst] = grid[plan.grid_entry].to(ssm_state.dtype)
+        copy_rows(grid, plan.grid_entry, ssm_state, plan.capture_dst)
     if plan.end_src is not None:
-        conv_state[plan.end_dst] = conv_state[plan.end_src]
-        ssm_state[plan.end_dst] = ssm_state[plan.end_src]
+        copy_rows(conv_state, plan.end_src, conv_state, plan.end_dst)
+        copy_rows(ssm_state, plan.end_src, ssm_state, plan.end_dst)
     return y
+
+
+def capture_windows(plan: PrefillPlan, conv_state: torch.Tensor, xbc: torch.Tensor) -> torch.Tensor:
+    """(M, conv_dim, K-1) the conv state after each inner capture's offset: column j is row
+    ``conv_index[m, j]`` of [the sequences' slot columns (S*(K-1) rows) ; the packed inputs].
+    Two small gathers and a select, not that concatenation: it would copy the step's whole
+    input (42 MB per layer for 2048 tokens at Nemotron-H-8B's shape) to read a few rows."""
+    assert plan.conv_index is not None
+    held = plan.slots.numel() * conv_state.shape[2]
+    from_state = plan.conv_index < held
+    state_columns = conv_state.index_select(0, plan.slots).transpose(1, 2).flatten(0, 1)
+    stored = state_columns[plan.conv_index.clamp(max=held - 1)]
+    fresh = xbc[(plan.conv_index - held).clamp(min=0)].to(conv_state.dtype)
+    return torch.where(from_state[..., None], stored, fresh).transpose(1, 2)
