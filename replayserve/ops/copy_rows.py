@@ -10,7 +10,6 @@ source row once and writes it once (on an H200 the captures of a no-sharing pref
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
