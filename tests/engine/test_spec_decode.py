@@ -138,6 +138,7 @@ def test_replay_memory_does_not_grow_with_k_and_baseline_does(tiny_model_dir: Pa
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown keys"),
     ({"method": "custom", "num_speculative_tokens": 2}, "proposer"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "mtp_window": 0}, "mtp_window"),
 ])
 def test_invalid_speculative_options_fail_at_construction(tiny_model_dir: Path, spec: dict, option: str) -> None:
     with pytest.raises(ConfigError, match=option):
