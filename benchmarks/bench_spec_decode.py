@@ -20,6 +20,7 @@ column: the share of rows whose tokens equal no-spec's; a float tie can flip one
 
     python benchmarks/bench_spec_decode.py [--device cuda] [--size nemotron-h-8b] [--batch 1 8 32] [--k 3]
     python benchmarks/bench_spec_decode.py --model replayserve/tiny-code [--device cuda] [--batch 1 8 32] [--k 3]
+        [--mtp-window 256 64]
 """
 
 from __future__ import annotations
@@ -143,8 +144,9 @@ def real_proposers(args: argparse.Namespace) -> list[dict]:
     texts = heldout_texts(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
     assert tokenizer is not None
-    specs = [("no spec", None), ("n-gram", {"method": "ngram", "num_speculative_tokens": args.k}),
-             ("MTP", {"method": "mtp", "num_speculative_tokens": args.k})]
+    specs = [("no spec", None), ("n-gram", {"method": "ngram", "num_speculative_tokens": args.k})]
+    specs += [("MTP" if len(args.mtp_window) == 1 else f"MTP w{w}",
+               {"method": "mtp", "num_speculative_tokens": args.k, "mtp_window": w}) for w in args.mtp_window]
     records = []
     for batch in args.batch:
         prompts = heldout_prompts(tokenizer, texts, batch, args.prompt)
@@ -195,6 +197,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--window", type=int, default=16)
+    parser.add_argument("--mtp-window", type=int, nargs="+", default=[256],
+                        help="--model: the MTP attention's window of recorded positions; a row for each")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")

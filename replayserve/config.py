@@ -280,6 +280,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # ngram: shortest suffix to match
     prompt_lookup_max: int = 3  # ngram: longest suffix to match
     model: str | None = None  # draft: the draft checkpoint's directory (same vocabulary)
+    mtp_window: int = 256  # mtp: the last recorded positions the MTP attention sees (fewer: cheaper drafts)
     proposer: Any = None  # custom: a replayserve.speculative.proposers.Proposer
 
     def __post_init__(self) -> None:
@@ -295,6 +296,8 @@ class SpeculativeConfig:
             fail("proposer", "method 'custom' needs a Proposer object")
         if self.num_speculative_tokens < 1:
             fail("num_speculative_tokens", f"must be >= 1, got {self.num_speculative_tokens!r}")
+        if self.mtp_window < 1:
+            fail("mtp_window", f"must be >= 1 position, got {self.mtp_window!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             fail("prompt_lookup_min", f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
                  f"prompt_lookup_max ({self.prompt_lookup_max})")

@@ -45,7 +45,7 @@ def test_engine_model_must_be_a_model_config() -> None:
 
 
 @pytest.mark.parametrize("field", ["method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                                   "model"])
+                                   "model", "mtp_window"])
 def test_speculative_fields_check_their_type(field: str) -> None:
     kwargs = {"method": "ngram", "num_speculative_tokens": 2, field: _wrong_value(SpeculativeConfig, field)}
     with pytest.raises(ConfigError, match=f"speculative option {field}: must be"):

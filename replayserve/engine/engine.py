@@ -20,6 +20,7 @@ from replayserve.engine.scheduler import Scheduler, StepPlan
 from replayserve.models.nemotron_h import NemotronHForCausalLM
 from replayserve.speculative.factory import make_proposer
 from replayserve.speculative.metrics import SpecMetrics
+from replayserve.speculative.proposers import DraftRequest
 from replayserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -286,13 +287,12 @@ class Engine:
         drafts for more, so the budget's cut gives what a smaller k would have."""
         if self.proposer is None:
             return {}
-        drafts = {}
-        for request in self.scheduler.running:
-            room = self.scheduler.draft_room(request)
-            if room:
-                proposed = self.proposer.propose_request(request.request_id, request.all_token_ids, room)
-                drafts[request.request_id] = tuple(proposed)[:room]
-        return drafts
+        wanted = [DraftRequest(r.request_id, r.all_token_ids, room) for r in self.scheduler.running
+                  if (room := self.scheduler.draft_room(r))]
+        if not wanted:
+            return {}
+        proposed = self.proposer.propose_batch(wanted)  # one call: a model proposer batches the rows
+        return {r.request_id: tuple(proposed.get(r.request_id, ()))[: r.room] for r in wanted}
 
     def _outcome(self, request: Request, result: SampleResult) -> tuple[list[int], list, list[int], Stop | None]:
         """What a sampled result adds to a request, without changing it: the tokens it keeps (a

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from replayserve.models.nemotron_h import NemotronHForCausalLM
-from replayserve.speculative.proposers import Proposer
+from replayserve.speculative.proposers import DraftRequest, Proposer
 
 
 class HiddenStore:
@@ -36,30 +37,44 @@ class MTPProposer(Proposer):
     Draft 1 is the MTP head at the last computed position p, fed the target's hidden state at p
     and the embedding of the token sampled from it; draft j + 1 feeds the MTP's own output for
     draft j, as public engines chain one MTP layer for k drafts. The MTP attention runs causally
-    over the last `window` recorded positions each call (no cache of its own, so it never has to
+    over the last `window` recorded positions each call (no cache across calls, so it never has to
     follow the target's rollbacks or prefix hits; a hit only shortens what it sees). Drafts do not
     change outputs: verification keeps them lossless.
+
+    `propose_batch` (what the engine calls) runs all requests of a step as one padded batch and
+    keeps the MTP attention's keys and values between a call's drafts, so draft j + 1 computes one
+    position per request; `propose_request` is its plain reference, one request at a time.
     """
 
     def __init__(self, model: NemotronHForCausalLM, store: HiddenStore, window: int = 256) -> None:
         if not hasattr(model, "mtp"):
             raise ValueError("the model has no MTP layers (num_nextn_predict_layers = 0)")
+        if window < 1:
+            raise ValueError(f"MTPProposer window must be >= 1 position, got {window}")
         self.model, self.store, self.window = model, store, window
 
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
         return []  # needs the request's hidden states: see propose_request
 
-    @torch.inference_mode()
-    def propose_request(self, request_id: str, token_ids: Sequence[int], k: int) -> list[int]:
+    def _inputs(self, request_id: str, token_ids: Sequence[int]) -> tuple[torch.Tensor, Sequence[int]] | None:
+        """The recorded hidden states (n, hidden) of the last up to `window` computed positions
+        and the n tokens each predicted (the MTP's embedding input); None without a recorded run
+        that reaches the last computed position."""
         run = self.store.runs.get(request_id)
         last = len(token_ids) - 2  # the last computed position: its hidden state predicted token L-1
-        if run is None or k <= 0 or not run[0] <= last < run[0] + run[1].shape[0]:
-            return []
+        if run is None or not run[0] <= last < run[0] + run[1].shape[0]:
+            return None
         first = max(run[0], last - self.window + 1)
-        hidden = run[1][first - run[0] : last - run[0] + 1]
+        return run[1][first - run[0] : last - run[0] + 1], token_ids[first + 1 :]
+
+    @torch.inference_mode()
+    def propose_request(self, request_id: str, token_ids: Sequence[int], k: int) -> list[int]:
+        inputs = self._inputs(request_id, token_ids)
+        if inputs is None or k <= 0:
+            return []
+        hidden, tokens = inputs
         embed = self.model.backbone.embeddings
-        ids = torch.tensor(token_ids[first + 1 :], device=hidden.device)
-        embeds = embed(ids)
+        embeds = embed(torch.tensor(tokens, device=hidden.device))
         drafts: list[int] = []
         for _ in range(k):
             out = self.model.mtp(embeds, hidden, last_only=True)
@@ -67,4 +82,35 @@ class MTPProposer(Proposer):
             drafts.append(token)
             embeds = torch.cat([embeds, embed(torch.tensor([token], device=hidden.device))])
             hidden = torch.cat([hidden, out[-1:]])
+        return drafts
+
+    @torch.inference_mode()
+    def propose_batch(self, requests: Sequence[DraftRequest]) -> dict[str, tuple[int, ...]]:
+        """The drafts `propose_request` gives each request, for all of them at once: the windows
+        left-padded into (B, W), the MTP stack run once per draft position (the first over the
+        windows, each later one over the previous draft alone, against the cached keys and
+        values), greedy picks kept on the device and read back once. Rows run the largest room
+        and are cut to their own."""
+        drafts: dict[str, tuple[int, ...]] = {r.request_id: () for r in requests}
+        rows = [(r, inputs) for r in requests if r.room > 0
+                and (inputs := self._inputs(r.request_id, r.token_ids)) is not None]
+        if not rows:
+            return drafts
+        width = max(hidden.shape[0] for _, (hidden, _) in rows)
+        hidden = pad_sequence([h for _, (h, _) in rows], batch_first=True, padding_side="left")
+        pads = [width - len(tokens) for _, (_, tokens) in rows]
+        # Padding ids are any valid token: their positions are masked out of every real row.
+        ids = torch.tensor([[0] * pad + list(tokens) for pad, (_, (_, tokens)) in zip(pads, rows, strict=True)])
+        valid = torch.arange(width) >= torch.tensor(pads)[:, None]
+        embed, device = self.model.backbone.embeddings, hidden.device
+        out, cache = self.model.mtp.forward_padded(embed(ids.to(device)), hidden, valid.to(device))
+        picks = []
+        for j in range(max(r.room for r, _ in rows)):
+            if j:  # the previous draft, fed its own output: one new position per row
+                out, cache = self.model.mtp.forward_padded(embed(picks[-1])[:, None], out[:, None],
+                                                           torch.ones_like(valid[:, :1], device=device), cache)
+            picks.append(self.model.compute_logits(out).argmax(-1))
+        table = torch.stack(picks, dim=1).tolist()  # the one host sync
+        for (r, _), row in zip(rows, table, strict=True):
+            drafts[r.request_id] = tuple(row[: r.room])
         return drafts

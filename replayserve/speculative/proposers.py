@@ -6,8 +6,18 @@ import hashlib
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
+
+
+class DraftRequest(NamedTuple):
+    """A running request that may take drafts this step: its known tokens and how many drafts the
+    step has room for (>= 1)."""
+
+    request_id: str
+    token_ids: Sequence[int]
+    room: int
 
 
 class Proposer(ABC):
@@ -23,6 +33,12 @@ class Proposer(ABC):
     def propose_request(self, request_id: str, token_ids: Sequence[int], k: int) -> list[int]:
         """As `propose`, for proposers that keep per-request inputs (MTP: hidden states)."""
         return self.propose(token_ids, k)
+
+    def propose_batch(self, requests: Sequence[DraftRequest]) -> dict[str, tuple[int, ...]]:
+        """Drafts for every request of a step: request_id -> at most its `room` tokens. One call a
+        step, so proposers that run a model (MTP) batch the requests; the rest loop."""
+        return {r.request_id: tuple(self.propose_request(r.request_id, r.token_ids, r.room))[: r.room]
+                for r in requests}
 
 
 class NgramProposer(Proposer):

@@ -177,7 +177,7 @@ class FaultInjector:
         self.armed: tuple[str, type[BaseException]] | None = None
         self.fired = 0
         engine = llm.engine
-        self._wrap(engine.proposer, "propose_request", "propose", after=False)
+        self._wrap(engine.proposer, "propose_batch", "propose", after=False)
         self._wrap(engine.runner, "execute", "execute_before", after=False)
         self._wrap(engine.runner, "execute", "execute_after", after=True)
         # Async scheduling's steps: launched (the forward queued), then read back.

@@ -4,6 +4,7 @@ prefix hits in play; accepted counts follow the test proposer's corruption patte
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from replayserve import LLM, SamplingParams
 from replayserve.config import ConfigError
-from replayserve.speculative.proposers import OracleProposer
+from replayserve.speculative.proposers import DraftRequest, OracleProposer
 from replayserve.tiny import make_tiny
 from tests.conftest import assert_pools_full
 from tests.engine.test_prefix_cache import _llm, _workload, check_boundary_states
@@ -50,6 +51,30 @@ def test_greedy_spec_equals_spec_off_with_chunking_and_preemption(tiny_model_dir
     m = llm.get_metrics()
     assert m["num_preemptions"] > 0 and 0 < m["spec_num_accepted_tokens"] < m["spec_num_draft_tokens"]
     assert_pools_full(llm)
+
+
+class _StepOracle(OracleProposer):
+    """The oracle, noting the rows of each `propose_batch` call."""
+
+    def __init__(self, continuations: dict, corrupt_prob: float, vocab_size: int, seed: int) -> None:
+        super().__init__(continuations, corrupt_prob, vocab_size, seed)
+        self.calls: list[list[DraftRequest]] = []
+
+    def propose_batch(self, requests: Sequence[DraftRequest]) -> dict[str, tuple[int, ...]]:
+        self.calls.append(list(requests))
+        return super().propose_batch(requests)
+
+
+def test_the_engine_asks_for_all_rows_drafts_in_one_call_a_step(tiny_model_dir: Path, greedy_paths: dict) -> None:
+    proposer = _StepOracle(greedy_paths, corrupt_prob=0.3, vocab_size=512, seed=2)
+    llm = LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", max_num_seqs=4,
+              speculative=_spec(proposer, 3))
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == list(greedy_paths.values())
+    assert 0 < len(proposer.calls) <= llm.get_metrics()["num_steps"]
+    assert max(len(call) for call in proposer.calls) == 4  # every decoding row in the same call
+    assert all(1 <= r.room <= 3 and len({q.request_id for q in call}) == len(call)
+               for call in proposer.calls for r in call)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -138,6 +163,7 @@ def test_replay_memory_does_not_grow_with_k_and_baseline_does(tiny_model_dir: Pa
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown keys"),
     ({"method": "custom", "num_speculative_tokens": 2}, "proposer"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "mtp_window": 0}, "mtp_window"),
 ])
 def test_invalid_speculative_options_fail_at_construction(tiny_model_dir: Path, spec: dict, option: str) -> None:
     with pytest.raises(ConfigError, match=option):
