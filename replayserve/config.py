@@ -386,9 +386,6 @@ class EngineConfig:
         if self.mamba_block_size is not None and self.mamba_block_size % self.block_size:
             fail("mamba_block_size", f"{self.mamba_block_size} must be a positive multiple of "
                  f"block_size={self.block_size}")
-        if self.mamba_cache_mode == "align" and self.max_num_batched_tokens < self.resolved_mamba_block_size:
-            fail("max_num_batched_tokens", f"{self.max_num_batched_tokens} is below mamba_block_size="
-                 f"{self.resolved_mamba_block_size}: mamba_cache_mode='align' ends prefill chunks on its boundaries")
         if self.resolved_max_model_len < 2:
             fail("max_model_len", f"must be >= 2, got {self.resolved_max_model_len}")
         if self.resolved_num_kv_blocks < self.blocks_per_seq:

@@ -114,8 +114,7 @@ class Scheduler:
                 continue  # preempted as a victim earlier in this loop, or out of budget
             start = request.num_computed_tokens
             drafts = proposed.get(request.request_id, ())[: budget - 1] if request.decoding else ()
-            n = 1 + len(drafts) if request.decoding else self._chunk(request, start, min(request.num_tokens - start,
-                                                                                        budget))
+            n = 1 + len(drafts) if request.decoding else min(request.num_tokens - start, budget)
             if n == 0 or not self._reserve(request, n, preempted):
                 continue
             budget -= n
@@ -131,7 +130,7 @@ class Scheduler:
                 # A branch point: keep a state where the cached KV ends, so one exists there next time.
                 grid = self.cache.state_block
                 request.branch_point = hit.attention_tokens // grid * grid or None
-            n = self._chunk(request, hit.num_tokens, min(request.num_tokens - hit.num_tokens, budget))
+            n = min(request.num_tokens - hit.num_tokens, budget)
             if n == 0 or not self.cache.can_admit(hit, hit.num_tokens + n):
                 break
             self.waiting.popleft()
@@ -239,25 +238,17 @@ class Scheduler:
             room = min(room, self.max_model_len - request.num_tokens - 1)
         return max(room, 0)
 
-    def _chunk(self, request: Request, start: int, n: int) -> int:
-        """Prefill tokens to run from ``start`` (at most n). In ``align`` mode a chunk ends on a
-        Mamba grid boundary unless it finishes the known tokens (0: nothing fits)."""
-        if self.mamba_cache_mode != "align":
-            return n
-        bs, end = self.cache.state_block, start + n
-        if end < request.num_tokens:
-            end = end // bs * bs
-        return max(0, end - start)
-
-    def _keep_points(self, request: Request) -> tuple[int, ...]:
-        """``align``: grid points inside a prefill chunk whose states are kept besides the chunk's
-        end: the last one before the last known token (or a prompt that is a whole number of
-        grid blocks never leaves a usable state) and a branch point. The scan emits them, so the
-        chunk need not stop there."""
+    def _keep_points(self, request: Request, start: int, n: int) -> tuple[int, ...]:
+        """``align``: grid points inside a prefill chunk ``[start, start + n)`` whose states are kept
+        besides one the chunk ends on: the chunk's last grid point (chunks are cut by the budget
+        alone, as in ``none``: cutting them on the grid cost a whole extra step per wave of long
+        prompts), the last one before the last known token (or a prompt that is a whole number of
+        grid blocks never leaves a usable state) and a branch point. The scan emits them all."""
         if self.mamba_cache_mode != "align" or request.decoding:
             return ()
         grid = self.cache.state_block
-        return tuple(p for p in ((request.num_tokens - 1) // grid * grid, request.branch_point) if p)
+        points = ((start + n) // grid * grid, (request.num_tokens - 1) // grid * grid, request.branch_point)
+        return tuple(p for p in points if p)
 
     def _reserve(self, request: Request, n: int, preempted: list[str]) -> bool:
         """Allocates blocks for n more tokens, preempting the newest running requests if needed."""
@@ -282,7 +273,7 @@ class Scheduler:
             # ones beyond what is accepted are dropped after the step.
             every = self.mamba_cache_mode == "all" or bool(drafts)
             writes = tuple(self.cache.plan_boundaries(request, start, n, every=every,
-                                                      also=() if every else self._keep_points(request)))
+                                                      also=() if every else self._keep_points(request, start, n)))
         targets: tuple[int, ...] = ()
         if request.needs_prompt_logprobs and not drafts:  # positions p in [start, start + n) predict p + 1
             targets = tuple(request.prompt_token_ids[start + 1 : min(start + n, len(request.prompt_token_ids) - 1) + 1])

@@ -130,7 +130,7 @@ def make_workload(seed: int, reference: Reference, models: Models) -> Workload:
     grid = bs * rng.choice((1, 2))
     options: dict[str, Any] = {
         "block_size": bs, "max_num_seqs": rng.randint(2, 4), "ssm_backend": rng.choice(("baseline", "replay")),
-        "max_num_batched_tokens": max(rng.randint(6, 32), grid if mode == "align" else 1, k + 1),
+        "max_num_batched_tokens": max(rng.randint(6, 32), k + 1),
         "num_kv_blocks": rng.randint(MAX_MODEL_LEN // bs + 2, 3 * MAX_MODEL_LEN // bs),
         "replay_window": rng.randint(k + 1, 8), "enable_prefix_caching": mode is not None,
         "mamba_cache_mode": mode or "none", "mamba_block_size": grid, "num_mamba_cache_slots": rng.randint(1, 6),

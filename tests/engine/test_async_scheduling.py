@@ -116,7 +116,7 @@ def _workloads(draw: st.DrawFn) -> tuple[dict, list[Drawn]]:
     options = {
         "block_size": bs, "max_num_seqs": draw(st.sampled_from((1, 2, 3, 4, 4))),
         "replay_window": draw(st.integers(1, 6)),
-        "max_num_batched_tokens": max(draw(st.integers(4, 32)), grid if mode == "align" else 1),
+        "max_num_batched_tokens": draw(st.integers(4, 32)),
         # From one sequence's blocks and a few (preemptions) to plenty.
         "num_kv_blocks": MAX_MODEL_LEN // bs + draw(st.sampled_from((1, 2, 3, 6, 32))),
         "enable_prefix_caching": mode is not None, "mamba_cache_mode": mode or "none", "mamba_block_size": grid,

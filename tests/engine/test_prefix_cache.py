@@ -172,8 +172,6 @@ def test_cache_salt_separates_prefixes(tiny_model_dir: Path) -> None:
     ("mamba_cache_mode", {"mamba_cache_mode": "all"}),
     ("mamba_cache_mode", {"enable_prefix_caching": True, "mamba_cache_mode": "every"}),
     ("num_mamba_cache_slots", {"enable_prefix_caching": True, "mamba_cache_mode": "all", "num_mamba_cache_slots": 0}),
-    ("max_num_batched_tokens", {"enable_prefix_caching": True, "mamba_cache_mode": "align",
-                                "max_num_batched_tokens": 8}),
     ("mamba_block_size", {"enable_prefix_caching": True, "mamba_cache_mode": "all", "mamba_block_size": 6}),
 ])
 def test_invalid_cache_options_fail_at_construction(tiny_model_dir: Path, option: str, kw: dict) -> None:
