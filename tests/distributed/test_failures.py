@@ -1,4 +1,5 @@
-"""What tensor parallelism refuses, and a worker that dies: clear errors on rank 0, no hang."""
+"""What tensor parallelism refuses, a worker that dies (clear errors on rank 0, no hang), and the
+command line."""
 
 from __future__ import annotations
 
@@ -40,3 +41,14 @@ def test_a_dead_worker_fails_the_step_with_its_rank_named(tiny_model_dir: Path) 
     finally:
         llm.close()
     assert not llm.workers.procs
+
+
+def test_generate_command_runs_tensor_parallel(tiny_model_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    from replayserve.cli import main
+
+    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "The quick", "--max-tokens", "4", "--dtype",
+            "float64", "--device", "cpu", "--tensor-parallel-size", "2"]
+    main(argv)
+    tp = capsys.readouterr().out
+    main(argv[:-2])  # the command closed its workers: the process can start another engine
+    assert tp == capsys.readouterr().out and "completion 0" in tp
