@@ -117,7 +117,7 @@ class LLM:
             self.config = size_caches(self.config)  # CUDA: what the weights leave, before any cache is allocated
             self.engine = Engine(self.config, net, self.tokenizer, self.workers)
             if self.workers is not None:
-                self.workers.connect()
+                self.workers.connect(self.config)
         except BaseException:
             self.close()
             raise

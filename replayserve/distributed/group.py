@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import os
 import pickle
 import socket
@@ -28,6 +29,17 @@ from replayserve.config import ConfigError, EngineConfig
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 READY = b"replayserve-worker-ready\n"
+
+
+def worker_config(config: EngineConfig) -> EngineConfig:
+    """What a worker needs of rank 0's config: the same, except a proposer that runs on rank 0's
+    host alone (n-gram, draft model, custom object, which may not pickle), whose drafts reach the
+    workers inside the plans: only its draft count, which sizes the state layouts, is kept."""
+    spec = config.speculative
+    if spec is None or spec.method == "mtp":
+        return config
+    return dataclasses.replace(config, speculative=dataclasses.replace(spec, method="ngram", model=None,
+                                                                       proposer=None))
 
 
 def backend_of(device: str) -> str:
@@ -50,9 +62,9 @@ class Workers:
 
     @classmethod
     def start(cls, config: EngineConfig, model_dir: str) -> Workers:
-        """Starts the workers and sends each the config; they load their slices while rank 0 loads
-        its own. `connect` then waits for them. One tensor-parallel engine per process: the model's
-        collectives use the default process group."""
+        """Starts the workers and sends each the model to load; they load their slices while rank 0
+        loads its own. `connect` then sends the final config and waits for them. One tensor-parallel
+        engine per process: the model's collectives use the default process group."""
         if dist.is_available() and dist.is_initialized():
             raise ConfigError("engine option tensor_parallel_size: this process already runs a tensor-parallel "
                               "engine (or another torch.distributed group); close() that LLM first")
@@ -64,11 +76,14 @@ class Workers:
                                    str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=os.environ.copy())
                  for rank in range(1, world)]
         workers = cls(procs, port, config.device)
-        workers.send(("init", (config, model_dir)))
+        workers.send(("load", (model_dir, config.dtype, config.device)))
         return workers
 
-    def connect(self) -> None:
-        """Waits until every worker has built its slice, then joins the process group as rank 0."""
+    def connect(self, config: EngineConfig) -> None:
+        """Sends the workers the engine config (on CUDA with the cache sizes rank 0 derived from
+        its free memory: every rank must hold the same blocks and slots), waits until each has
+        built its runner, then joins the process group as rank 0."""
+        self.send(("runner", worker_config(config)))
         for rank, proc in enumerate(self.procs, 1):
             assert proc.stdout is not None
             while (line := proc.stdout.readline()) != READY:

@@ -11,7 +11,6 @@ import sys
 
 import torch
 
-from replayserve.config import EngineConfig
 from replayserve.distributed.group import READY, init_group
 from replayserve.distributed.runner_proxy import WorkerRunner
 from replayserve.llm import TORCH_DTYPES
@@ -19,29 +18,21 @@ from replayserve.models.loader import load_model
 from replayserve.speculative.factory import make_proposer
 
 
-def worker_config(config: EngineConfig) -> EngineConfig:
-    """What a worker needs of rank 0's config: the same, except a proposer that runs on rank 0's
-    host alone (n-gram, draft model, custom object), whose drafts reach the workers inside the
-    plans: only its draft count, which sizes the state layouts, is kept."""
-    spec = config.speculative
-    if spec is None or spec.method == "mtp":
-        return config
-    return dataclasses.replace(config, speculative=dataclasses.replace(spec, method="ngram", model=None,
-                                                                       proposer=None))
-
-
 def main(rank: int, world: int, port: int) -> None:
     inbox, outbox = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # stdout carries the ready line alone; rank 0 stops reading it after that
-    kind, (config, model_dir) = pickle.load(inbox)
-    assert kind == "init"
-    device = config.device
+    kind, (model_dir, dtype, device) = pickle.load(inbox)
+    assert kind == "load"
     if device.startswith("cuda"):  # one GPU per rank
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
-    config = dataclasses.replace(worker_config(config), device=device)
     torch.set_num_threads(max(1, torch.get_num_threads() // world))
-    model = load_model(model_dir, TORCH_DTYPES[config.dtype], torch.device(device), rank, world)
+    model = load_model(model_dir, TORCH_DTYPES[dtype], torch.device(device), rank, world)
+    kind, config = pickle.load(inbox)  # sent once rank 0 has sized the caches
+    if kind == "shutdown":  # rank 0 failed to start
+        return
+    assert kind == "runner"
+    config = dataclasses.replace(config, device=device)
     runner = WorkerRunner(config, model, inbox)
     proposer = make_proposer(config, runner) if config.speculative is not None else None
     outbox.write(READY)
