@@ -123,6 +123,8 @@ class Workers:
 
     @staticmethod
     def _death(rank: int, proc: subprocess.Popen, when: str) -> str:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)  # its pipe may close a moment before it exits
         return (f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with status {proc.poll()} {when} "
                 "(its error is on stderr); this LLM cannot go on: start a new one")
 
