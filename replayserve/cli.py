@@ -57,7 +57,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
     g.add_argument("--async-scheduling", action="store_true",
                    help="plan and launch the next plain decode step while the device runs this one "
-                        "(not with --speculative)")
+                        "(not with --speculative or --tensor-parallel-size)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="processes (GPUs on CUDA) the model is split over; this one runs the engine and starts "
+                        "the others (default %(default)s)")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -74,7 +77,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     names = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
              "num_kv_blocks", "gpu_memory_utilization", "ssm_backend", "replay_window", "enable_prefix_caching",
              "mamba_cache_mode", "num_mamba_cache_slots", "mamba_block_size", "enforce_eager",
-             "async_scheduling")
+             "async_scheduling", "tensor_parallel_size")
     return {**{n: getattr(args, n) for n in names}, "speculative": speculative}
 
 
@@ -108,8 +111,9 @@ def _generate(args: argparse.Namespace) -> None:
         max_tokens=args.max_tokens, stop=args.stop or [], logprobs=args.logprobs, ignore_eos=args.ignore_eos, n=args.n,
         prompt_logprobs=args.prompt_logprobs,
     )
-    llm = LLM(model=_model_dir(args.model), **engine_options(args))
-    for i, (prompt, out) in enumerate(zip(args.prompt, llm.generate(args.prompt, params), strict=True)):
+    with LLM(model=_model_dir(args.model), **engine_options(args)) as llm:
+        outputs = llm.generate(args.prompt, params)
+    for i, (prompt, out) in enumerate(zip(args.prompt, outputs, strict=True)):
         print(f"=== prompt {i} ===\n{prompt}")
         if out.prompt_logprobs is not None:
             print("prompt logprobs:", *_logprob_lines(out.prompt_token_ids, out.prompt_logprobs), sep="\n")

@@ -237,6 +237,28 @@ class ModelConfig:
         return out
 
 
+def _tensor_parallel_error(model: ModelConfig, world: int) -> str | None:
+    """Why `model` cannot be split over `world` ranks (None: it can). Heads and inner dimensions
+    split evenly; KV heads split, or are replicated when fewer than the ranks; Mamba groups follow
+    the heads (ssm/layout.py: MambaShard), so any n_groups works."""
+    kinds = set(model.layer_types) | set(model.mtp_layer_types)
+    sizes = {"num_attention_heads": model.num_attention_heads} if ATTENTION in kinds else {}
+    if MAMBA in kinds:
+        sizes["mamba_num_heads"] = model.mamba_num_heads
+    if MLP in kinds:
+        sizes["intermediate_size"] = model.intermediate_size
+    if MOE in kinds:
+        sizes["moe_intermediate_size"] = model.moe_intermediate_size
+        sizes["moe_shared_expert_intermediate_size"] = model.moe_shared_expert_intermediate_size
+    for name, size in sizes.items():
+        if size % world:
+            return f"{world} ranks must divide the model's {name}={size}"
+    kv = model.num_key_value_heads
+    if ATTENTION in kinds and kv % world and world % kv:
+        return f"{world} ranks must divide num_key_value_heads={kv} or be a multiple of it"
+    return None
+
+
 def _str_list(hf: dict[str, Any], key: str, kind: type = list) -> Any:
     """Pops `key`: None when absent, else a `kind` (list or str) of strings."""
     value = hf.pop(key, None)
@@ -318,7 +340,8 @@ class SpeculativeConfig:
 
 
 _ENGINE_MINIMUMS = dict.fromkeys(("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-                                  "num_kv_blocks", "replay_window", "num_mamba_cache_slots", "mamba_block_size"), 1)
+                                  "num_kv_blocks", "replay_window", "num_mamba_cache_slots", "mamba_block_size",
+                                  "tensor_parallel_size"), 1)
 
 
 @dataclass(frozen=True)
@@ -347,6 +370,8 @@ class EngineConfig:
     enforce_eager: bool = False
     # Plan and launch plain decode step N + 1 while the device runs step N (engine/engine.py).
     async_scheduling: bool = False
+    # Ranks (processes) the model is split over; rank 0 runs the engine (distributed/).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         def fail(option: str, why: str) -> None:
@@ -378,6 +403,13 @@ class EngineConfig:
             fail("async_scheduling", "cannot be combined with speculative decoding: every decode step then "
                  "verifies drafts proposed on the host from the previous step's tokens, so no step could overlap; "
                  "turn one of them off")
+        if self.tensor_parallel_size > 1:
+            why = _tensor_parallel_error(self.model, self.tensor_parallel_size)
+            if why is None and self.async_scheduling:
+                why = ("async_scheduling is not supported with tensor parallelism: the workers would have to "
+                       "follow launched steps; turn one of them off")
+            if why is not None:
+                fail("tensor_parallel_size", why)
         if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
             fail("mamba_cache_mode", f"{self.mamba_cache_mode!r} is not one of {MAMBA_CACHE_MODES}")
         if self.mamba_cache_mode != "none" and not self.enable_prefix_caching:

@@ -40,16 +40,17 @@ def measure(model: str, name: str, speculative: dict | None, max_tokens: int, re
     """Greedy generation for every demo prompt at once, timed `repeats` times after a warm-up (the
     median rate counts); acceptance and tokens per step come from the engine's counters over the
     timed runs. Returns the run and the texts."""
-    llm = LLM(model=model, **{**engine, "speculative": speculative, "max_num_seqs": len(DEMO_PROMPTS)})
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(DEMO_PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
-    before = llm.get_metrics()
-    rates = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        outputs = llm.generate(DEMO_PROMPTS, params, use_tqdm=False)
-        rates.append(sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start))
-    after = llm.get_metrics()
+    # Closed before the next configuration's: a tensor-parallel LLM's workers hold the process group.
+    with LLM(model=model, **{**engine, "speculative": speculative, "max_num_seqs": len(DEMO_PROMPTS)}) as llm:
+        llm.generate(DEMO_PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
+        before = llm.get_metrics()
+        rates = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            outputs = llm.generate(DEMO_PROMPTS, params, use_tqdm=False)
+            rates.append(sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start))
+        after = llm.get_metrics()
     delta = {k: after[k] - before[k] for k in ("spec_num_draft_tokens", "spec_num_accepted_tokens", "num_steps",
                                                "num_generated_tokens")}
     acceptance = None

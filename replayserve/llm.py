@@ -13,6 +13,7 @@ from tqdm import tqdm
 from replayserve.cache_sizing import size_caches
 from replayserve.chat import ChatTemplate, Message
 from replayserve.config import EngineConfig, ModelConfig, SpeculativeConfig
+from replayserve.distributed.group import Workers
 from replayserve.engine.engine import Engine
 from replayserve.engine.request import Request, SamplingParams
 from replayserve.models.loader import load_model
@@ -24,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 Prompt = str | dict[str, Any]
 
-_TORCH_DTYPES = {
+TORCH_DTYPES = {
     "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16,
 }
 
@@ -56,6 +57,9 @@ class LLM:
     step is planned and launched, its input tokens taken from step N's on the device; outputs are
     the same as without it. Steps with prefill chunks, Mamba boundary states (prefix caching) or
     penalties / min_tokens run synchronously; speculative decoding is refused with it.
+    tensor_parallel_size: processes the model is split over (heads, inner dimensions, vocabulary;
+    `distributed/`): this one (rank 0) runs the engine and the others, started here, run their
+    slices of each step; gloo on the CPU, NCCL on CUDA (one GPU per rank). `close()` stops them.
     """
 
     def __init__(
@@ -78,6 +82,7 @@ class LLM:
         speculative: dict | None = None,
         enforce_eager: bool = False,
         async_scheduling: bool = False,
+        tensor_parallel_size: int = 1,
     ) -> None:
         model = resolve_model(model)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -98,15 +103,35 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, mamba_cache_mode=mamba_cache_mode,
             num_mamba_cache_slots=num_mamba_cache_slots, mamba_block_size=mamba_block_size,
             speculative=None if speculative is None else SpeculativeConfig.from_dict(speculative),
-            enforce_eager=enforce_eager, async_scheduling=async_scheduling,
+            enforce_eager=enforce_eager, async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
         )
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("engine option device: 'cuda' was asked for but torch sees no CUDA device")
         self.tokenizer = Tokenizer.from_dir(model)
         self.chat_template = ChatTemplate.from_dir(model)
-        net = load_model(model, _TORCH_DTYPES[dtype], torch.device(device))
-        self.config = size_caches(self.config)  # CUDA: what the weights leave, before any cache is allocated
-        self.engine = Engine(self.config, net, self.tokenizer)
+        self.workers: Workers | None = None
+        if tensor_parallel_size > 1:
+            self.workers = Workers.start(self.config, model)  # they load their slices while this rank loads its own
+        try:
+            net = load_model(model, TORCH_DTYPES[dtype], torch.device(device), 0, tensor_parallel_size)
+            self.config = size_caches(self.config)  # CUDA: what the weights leave, before any cache is allocated
+            self.engine = Engine(self.config, net, self.tokenizer, self.workers)
+            if self.workers is not None:
+                self.workers.connect(self.config)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers (also done at exit); the LLM cannot generate after it."""
+        if self.workers is not None:
+            self.workers.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

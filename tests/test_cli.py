@@ -113,6 +113,8 @@ def test_make_tiny_refuses_a_non_empty_directory(tmp_path: Path, capsys: pytest.
       '"num_speculative_tokens": 2}'], "method"),
     (["generate", "--model", "{model}", "--prompt", "x", "--async-scheduling", "--device", "cpu", "--speculative",
       '{"method": "ngram", "num_speculative_tokens": 2}'], "async_scheduling"),
+    (["generate", "--model", "{model}", "--prompt", "x", "--tensor-parallel-size", "3", "--device", "cpu"],
+     "tensor_parallel_size"),
     (["generate", "--model", "{model}", "--prompt", "x", "--temperature", "-1"], "temperature"),
     (["generate", "--model", "{model}", "--prompt", "x", "--max-tokens", "many"], "invalid int"),
     (["generate", "--model", "{model}", "--prompt", "x", "--block-size", "0", "--device", "cpu"], "block_size"),

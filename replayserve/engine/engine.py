@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from replayserve.cache.manager import CacheManager
 from replayserve.config import EngineConfig
+from replayserve.distributed.runner_proxy import DriverRunner
 from replayserve.engine.penalties import uses_history
 from replayserve.engine.prompt_logprobs import PromptScores
 from replayserve.engine.request import Request, SamplingParams, Status
@@ -22,6 +23,9 @@ from replayserve.speculative.factory import make_proposer
 from replayserve.speculative.metrics import SpecMetrics
 from replayserve.speculative.proposers import DraftRequest
 from replayserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from replayserve.distributed.group import Workers
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +49,10 @@ class _Launched(NamedTuple):
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model: NemotronHForCausalLM, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, config: EngineConfig, model: NemotronHForCausalLM, tokenizer: Tokenizer | None,
+                 workers: Workers | None = None) -> None:
+        """workers: the tensor-parallel ranks 1.. (`model` is then rank 0's slice); the runner
+        mirrors every step to them."""
         if config.sized_by_memory:  # not sized by LLM: the defaults, which must fit
             config.check_cache_fit()
         self.config = config
@@ -56,7 +63,7 @@ class Engine:
             has_mamba=config.model.num_mamba_layers > 0, state_block=config.resolved_mamba_block_size,
         )
         spec = config.speculative
-        self.runner = Runner(config, model)
+        self.runner = Runner(config, model) if workers is None else DriverRunner(config, model, workers)
         self.proposer = make_proposer(config, self.runner)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.cache,
                                    config.mamba_cache_mode, spec.num_speculative_tokens if spec else 0,
@@ -340,8 +347,7 @@ class Engine:
         if text is None and self.tokenizer is not None:
             text = self.tokenizer.decode(request.output_token_ids)
         self.scheduler.finish(request, reason)
-        if self.runner.hidden_store is not None:
-            self.runner.hidden_store.forget(request.request_id)
+        self.runner.forget(request.request_id)
         self._generators.pop(request.request_id, None)
         request.text = text or ""
 

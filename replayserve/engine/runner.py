@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from replayserve.config import EngineConfig
+from replayserve.config import EngineConfig, ModelConfig
 from replayserve.engine.cuda_graph import DecodeGraphs
 from replayserve.engine.prompt_logprobs import PromptScores, score_prompt
 from replayserve.engine.request import SamplingParams
@@ -26,20 +26,24 @@ from replayserve.ssm.replay import ReplayBackend
 
 if TYPE_CHECKING:
     from replayserve.speculative.mtp import HiddenStore
+    from replayserve.speculative.proposers import Proposer
 
 logger = logging.getLogger(__name__)
 
 
-def make_ssm_backend(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> SSMBackend:
+def make_ssm_backend(config: EngineConfig, dtype: torch.dtype, device: torch.device,
+                     model: ModelConfig | None = None) -> SSMBackend:
     """Slots 0..max_num_seqs-1 are live; the prefix cache's boundary slots follow them, and the
-    last slot is the pad slot of padded decode rows (no pool hands it out)."""
+    last slot is the pad slot of padded decode rows (no pool hands it out). model: the shapes to
+    hold, when not config.model's (a tensor-parallel rank's slice)."""
+    model = model or config.model
     num_slots = config.max_num_seqs + config.resolved_num_mamba_cache_slots + 1
     tokens = config.tokens_per_step
     if config.ssm_backend == "replay":
-        layout = MambaLayout.from_config(config.model, num_slots, dtype, window=config.replay_window,
+        layout = MambaLayout.from_config(model, num_slots, dtype, window=config.replay_window,
                                          tokens_per_step=tokens)
         return ReplayBackend(layout, device)
-    return BaselineBackend(MambaLayout.from_config(config.model, num_slots, dtype, tokens_per_step=tokens), device)
+    return BaselineBackend(MambaLayout.from_config(model, num_slots, dtype, tokens_per_step=tokens), device)
 
 
 class StepOutput(NamedTuple):
@@ -56,7 +60,7 @@ class Runner:
         self.model = model
         weight = model.backbone.embeddings.weight
         self.device, self.dtype = weight.device, weight.dtype
-        m = config.model
+        m = model.config  # the shapes this process holds: a tensor-parallel rank's slice of config.model
         # One block more than the pool hands out: the pad block of padded decode rows.
         self.pad_block = config.resolved_num_kv_blocks
         kv_shape = (config.resolved_num_kv_blocks + 1, config.block_size, m.num_key_value_heads, m.head_dim)
@@ -65,7 +69,7 @@ class Runner:
              torch.zeros(kv_shape, dtype=self.dtype, device=self.device))
             for _ in range(m.num_attention_layers)
         ]
-        self.ssm = make_ssm_backend(config, self.dtype, self.device)
+        self.ssm = make_ssm_backend(config, self.dtype, self.device, m)
         self.hidden_store: HiddenStore | None = None  # set by the MTP proposer: it reads final hidden states
         self._mixers = sorted((m for m in model.modules() if isinstance(m, Mamba2Mixer)), key=lambda m: m.mamba_index)
         self.graphs: DecodeGraphs | None = None
@@ -164,7 +168,7 @@ class Runner:
         scores = self._score_prompts(plan, hidden) if width is None else {}  # graphed steps only decode
         results: list[SampleResult] = []
         if width == 1:  # a graphed plain decode step: row i samples at its one token, logits row i
-            results = sample(logits, params, generators, None, histories, self.config.model.eos_token_ids)
+            results = self._draw(logits, params, generators, None, histories)
             picks: list[range] = []
         else:  # logits at each sampling row's last token, and at every token of a verify row
             picks = self._picks(plan)
@@ -251,7 +255,22 @@ class Runner:
         at its last len(pick) tokens; the ones after the first are its drafts (a verify row)."""
         sampling = [s for s in plan.seqs if s.sample]
         drafts = [s.token_ids[len(s.token_ids) - len(r) + 1 :] for s, r in zip(sampling, picks, strict=True)]
+        return self._draw(logits, params, generators, drafts, histories)
+
+    def _draw(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+              drafts: list[tuple[int, ...]] | None,
+              histories: list[tuple[list[int], list[int]]] | None) -> list[SampleResult]:
+        """The step's sampling (`sampler.sample`); tensor-parallel workers take rank 0's instead."""
         return sample(logits, params, generators, drafts, histories, self.config.model.eos_token_ids)
+
+    def forget(self, request_id: str) -> None:
+        """Drops what the runner keeps for a finished request (the MTP proposer's hidden states)."""
+        if self.hidden_store is not None:
+            self.hidden_store.forget(request_id)
+
+    def mirror(self, proposer: Proposer) -> Proposer:
+        """A proposer that runs this runner's model; tensor parallelism runs it on every rank."""
+        return proposer
 
     def _record_hidden(self, plan: StepPlan, hidden: torch.Tensor, results: list[SampleResult]) -> None:
         """Final hidden states of the positions this step computed for good (a verify row: the

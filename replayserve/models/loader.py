@@ -102,8 +102,11 @@ def _file_holding(files: list[Path], name: str) -> Path | None:
     return None
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> NemotronHForCausalLM:
-    """Builds the model from `config.json` and fills every parameter from the checkpoint.
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, rank: int = 0,
+               world_size: int = 1) -> NemotronHForCausalLM:
+    """Builds the model from `config.json` and fills every parameter from the checkpoint; with
+    `world_size` > 1, tensor-parallel rank `rank`'s slice of it (`distributed/sharding.py`), each
+    checkpoint tensor cut to that rank's part as it is read.
 
     With `tie_word_embeddings: true` the embedding matrix is the LM head, unless the checkpoint
     stores its own `lm_head.weight`: then that one is used (with a warning naming its file), as
@@ -119,8 +122,13 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
         logger.warning("%s stores %s although config.json sets tie_word_embeddings: true; using the stored "
                        "%s instead of the embedding matrix, as transformers does", head_file, _LM_HEAD, _LM_HEAD)
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
+    shard = None
+    if world_size > 1:
+        from replayserve.distributed.sharding import RankShard  # imports the layers: only when sharding
+
+        shard = RankShard(cfg, rank, world_size)
     with torch.device("meta"):
-        model = NemotronHForCausalLM(cfg)
+        model = NemotronHForCausalLM(cfg) if shard is None else shard.build()
     model.allocate_(device, dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.backbone.embeddings.weight
@@ -134,6 +142,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
         if target is None:
             unexpected.append(name)
             continue
+        if shard is not None:
+            tensor = shard.slice(name, tensor)
         if tuple(tensor.shape) != tuple(target.shape):
             raise CheckpointError(
                 f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the config implies {tuple(target.shape)}"

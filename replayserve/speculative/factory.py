@@ -28,7 +28,7 @@ def make_proposer(engine: EngineConfig, runner: Runner) -> Proposer | None:
         from replayserve.speculative.mtp import HiddenStore, MTPProposer
 
         runner.hidden_store = HiddenStore()
-        return MTPProposer(runner.model, runner.hidden_store, config.mtp_window)
+        return runner.mirror(MTPProposer(runner.model, runner.hidden_store, config.mtp_window))
     if config.method == "custom":
         return config.proposer
     raise ValueError(f"speculative method {config.method!r} has no proposer")  # rejected by the config

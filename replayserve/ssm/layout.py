@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -103,3 +104,47 @@ class MambaLayout:
     def cursor_shape(self) -> tuple[int]:
         """(slots,): ring_start and history int32, is_flush bool; shared by all Mamba layers."""
         return (self.num_slots,)
+
+
+@dataclass(frozen=True)
+class MambaShard:
+    """The Mamba2 heads and B/C groups one tensor-parallel rank holds; a rank's `MambaLayout` is
+    that of its shard (`num_heads`, `num_groups`).
+
+    Heads split evenly. A rank keeps the groups its heads read: n_groups / world whole groups when
+    the ranks divide n_groups; otherwise its heads straddle group boundaries and it keeps one copy
+    of a group per run of `heads_per_group` local heads that read it (the extra groups vLLM adds),
+    so that every local group serves the same number of heads, as the SSM kernels assume."""
+
+    head_start: int  # the rank's first head, in the model's numbering
+    num_heads: int
+    groups: tuple[int, ...]  # the model's group of each local group, in local order
+
+    @classmethod
+    def of(cls, model: ModelConfig, rank: int, world: int) -> MambaShard:
+        heads = model.mamba_num_heads // world
+        per_group = model.mamba_num_heads // model.n_groups
+        local_per_group = math.gcd(per_group, heads)  # divides heads and every rank's head_start
+        start = rank * heads
+        return cls(start, heads, tuple((start + j * local_per_group) // per_group
+                                       for j in range(heads // local_per_group)))
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    def conv_channels(self, model: ModelConfig) -> list[int]:
+        """The model's conv (x, B, C) channels this rank holds, in its local order."""
+        p, n, inner = model.mamba_head_dim, model.ssm_state_size, model.mamba_intermediate_size
+        x = list(range(self.head_start * p, (self.head_start + self.num_heads) * p))
+        b = [inner + g * n + i for g in self.groups for i in range(n)]
+        c = [inner + model.n_groups * n + g * n + i for g in self.groups for i in range(n)]
+        return x + b + c
+
+    def in_proj_rows(self, model: ModelConfig) -> list[int]:
+        """The model's in_proj output rows (z, x B C, dt) this rank holds, in its local order."""
+        p, inner = model.mamba_head_dim, model.mamba_intermediate_size
+        z = list(range(self.head_start * p, (self.head_start + self.num_heads) * p))
+        dt = list(range(inner + model.conv_dim + self.head_start, inner + model.conv_dim + self.head_start
+                        + self.num_heads))
+        return z + [inner + c for c in self.conv_channels(model)] + dt

@@ -1,0 +1,137 @@
+"""Which slice of the model one tensor-parallel rank holds, and how checkpoint tensors are cut to it.
+
+Megatron-style: a mixer's input projections are column-parallel (each rank computes its heads or
+inner channels), its output projection row-parallel (each rank's product is a partial sum, all-
+reduced: `layers.all_reduce_output`). Attention splits its heads, and its KV heads unless there are
+fewer than ranks (then each rank keeps the one its heads read); MLP and MoE experts split their
+inner dimension (every rank routes every token; no expert parallelism); Mamba2 splits its heads,
+with the B/C groups `MambaShard` derives; embedding and LM head split the vocabulary. Norms,
+routers, the MoE latent projections and the MTP's eh_proj are replicated. A row-parallel bias is
+kept on rank 0 alone, so the all-reduce adds it once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from replayserve.config import ModelConfig
+from replayserve.distributed.layers import (
+    ParallelLMHead,
+    ShardedGatedRMSNorm,
+    VocabParallelEmbedding,
+    all_reduce_output,
+    vocab_rows,
+)
+from replayserve.layers.attention import Attention
+from replayserve.layers.mamba2 import Mamba2Mixer
+from replayserve.layers.mlp import MLP, MoE
+from replayserve.models.nemotron_h import NemotronHForCausalLM
+from replayserve.ssm.layout import MambaShard
+
+Slicer = Callable[[torch.Tensor], torch.Tensor]
+
+
+def local_model_config(model: ModelConfig, rank: int, world: int) -> ModelConfig:
+    """The config of a rank's slice: the model classes built from it have the rank's shapes (the
+    vocabulary stays whole here; `RankShard.build` swaps in the vocab-parallel modules)."""
+    mamba = MambaShard.of(model, rank, world)
+    return dataclasses.replace(
+        model, num_attention_heads=model.num_attention_heads // world,
+        num_key_value_heads=max(1, model.num_key_value_heads // world),
+        intermediate_size=model.intermediate_size // world, moe_intermediate_size=model.moe_intermediate_size // world,
+        moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size // world,
+        mamba_num_heads=mamba.num_heads, n_groups=mamba.num_groups)
+
+
+class RankShard:
+    """One rank's slice of a model: `build` makes the module tree, `slice` cuts a checkpoint tensor."""
+
+    def __init__(self, model: ModelConfig, rank: int, world: int) -> None:
+        self.model, self.rank, self.world = model, rank, world
+        self.mamba = MambaShard.of(model, rank, world)
+        self._slicers: dict[str, Slicer] = {}
+
+    def build(self) -> NemotronHForCausalLM:
+        """The rank's model (on the current default device: meta for the loader), its row-parallel
+        projections all-reducing their outputs."""
+        cfg = self.model
+        net = NemotronHForCausalLM(local_model_config(cfg, self.rank, self.world))
+        net.backbone.embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.rank, self.world)
+        net.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.rank, self.world)
+        if cfg.tie_word_embeddings:
+            net.lm_head.weight = net.backbone.embeddings.weight
+        start, rows = vocab_rows(cfg.vocab_size, self.rank, self.world)
+        self._slicers = {"backbone.embeddings.weight": _rows(start, rows), "lm_head.weight": _rows(start, rows)}
+        for prefix, module in list(net.named_modules()):
+            self._shard_module(prefix + ".", module)
+        return net
+
+    def slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The rank's part of checkpoint tensor `name` (the whole tensor where it is replicated)."""
+        slicer = self._slicers.get(name)
+        return tensor if slicer is None else slicer(tensor)
+
+    def _shard_module(self, prefix: str, module: nn.Module) -> None:
+        r, s = self.rank, self._slicers
+        if isinstance(module, Attention):
+            q, kv, dh = module.num_heads, module.num_kv_heads, module.head_dim
+            kv_start = r * q // (self.model.num_attention_heads // self.model.num_key_value_heads)
+            s[prefix + "q_proj.weight"] = _rows(r * q * dh, q * dh)
+            s[prefix + "k_proj.weight"] = s[prefix + "v_proj.weight"] = _rows(kv_start * dh, kv * dh)
+            s[prefix + "o_proj.weight"] = _cols(r * q * dh, q * dh)
+            module.o_proj.register_forward_hook(all_reduce_output)  # MTP calls o_proj directly
+        elif isinstance(module, MLP):  # a block's MLP, a routed expert or the shared expert
+            inner = module.up_proj.out_features
+            s[prefix + "up_proj.weight"] = s[prefix + "up_proj.bias"] = _rows(r * inner, inner)
+            s[prefix + "down_proj.weight"] = _cols(r * inner, inner)
+            s[prefix + "down_proj.bias"] = self._first_rank_only
+        elif isinstance(module, MoE):
+            s[prefix + "fc2_latent_proj.bias"] = self._first_rank_only  # applied to the partial routed sum
+        elif isinstance(module, Mamba2Mixer):
+            self._shard_mamba(prefix, module)
+        mixer = getattr(module, "mixer", None)  # a block: its MLP, MoE or Mamba output is a partial sum
+        if isinstance(mixer, MLP | MoE | Mamba2Mixer):
+            mixer.register_forward_hook(all_reduce_output)
+
+    def _shard_mamba(self, prefix: str, mixer: Mamba2Mixer) -> None:
+        cfg, shard, s = self.model, self.mamba, self._slicers
+        p = cfg.mamba_head_dim
+        # On the CPU, as checkpoint tensors are read: `build` runs under the loader's meta device.
+        channels = torch.tensor(shard.conv_channels(cfg), device="cpu")
+        rows = torch.tensor(shard.in_proj_rows(cfg), device="cpu")
+        s[prefix + "in_proj.weight"] = s[prefix + "in_proj.bias"] = _index(rows)
+        s[prefix + "conv1d.weight"] = s[prefix + "conv1d.bias"] = _index(channels)
+        for name in ("dt_bias", "A_log", "D"):
+            s[prefix + name] = _rows(shard.head_start, shard.num_heads)
+        s[prefix + "norm.weight"] = _rows(shard.head_start * p, shard.num_heads * p)
+        s[prefix + "out_proj.weight"] = _cols(shard.head_start * p, shard.num_heads * p)
+        s[prefix + "out_proj.bias"] = self._first_rank_only
+        group_size = cfg.mamba_intermediate_size // cfg.n_groups
+        if (shard.num_heads * p) % group_size:  # the rank's channels cut through norm groups
+            mixer.norm = ShardedGatedRMSNorm(shard.num_heads * p, shard.head_start * p, group_size, cfg.n_groups,
+                                             cfg.layer_norm_epsilon)
+
+    def _first_rank_only(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self.rank == 0 else torch.zeros_like(tensor)
+
+
+def _rows(start: int, count: int) -> Slicer:
+    """Rows start .. start + count - 1, zero-padded past the tensor's end (the vocab's last shard)."""
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        part = t[start : start + count]
+        if part.shape[0] < count:
+            part = torch.cat([part, part.new_zeros(count - part.shape[0], *part.shape[1:])])
+        return part
+    return cut
+
+
+def _cols(start: int, count: int) -> Slicer:
+    return lambda t: t[:, start : start + count]
+
+
+def _index(rows: torch.Tensor) -> Slicer:
+    return lambda t: t.index_select(0, rows.to(t.device))

@@ -1,0 +1,60 @@
+"""A tensor-parallel worker: `python -m replayserve.distributed.worker RANK WORLD PORT`, started by
+rank 0 (`group.Workers.start`). It loads its slice of the model, builds its runner (and the MTP
+proposer), joins the process group, then replays rank 0's calls until told to stop or until
+rank 0's pipe closes."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import sys
+
+import torch
+
+from replayserve.distributed.group import READY, init_group
+from replayserve.distributed.runner_proxy import WorkerRunner
+from replayserve.llm import TORCH_DTYPES
+from replayserve.models.loader import load_model
+from replayserve.speculative.factory import make_proposer
+
+
+def main(rank: int, world: int, port: int) -> None:
+    inbox, outbox = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # stdout carries the ready line alone; rank 0 stops reading it after that
+    kind, (model_dir, dtype, device) = pickle.load(inbox)
+    assert kind == "load"
+    if device.startswith("cuda"):  # one GPU per rank
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    torch.set_num_threads(max(1, torch.get_num_threads() // world))
+    model = load_model(model_dir, TORCH_DTYPES[dtype], torch.device(device), rank, world)
+    kind, config = pickle.load(inbox)  # sent once rank 0 has sized the caches
+    if kind == "shutdown":  # rank 0 failed to start
+        return
+    assert kind == "runner"
+    config = dataclasses.replace(config, device=device)
+    runner = WorkerRunner(config, model, inbox)
+    proposer = make_proposer(config, runner) if config.speculative is not None else None
+    outbox.write(READY)
+    outbox.flush()
+    init_group(rank, world, port, device)
+    while True:
+        kind, (payload, forgotten) = runner.receive()
+        for request_id in forgotten:
+            runner.forget(request_id)
+        if kind == "execute":
+            runner.execute(payload, [], [])
+        elif kind == "propose":
+            assert proposer is not None
+            proposer.propose_batch(payload)
+        elif kind == "shutdown":
+            return
+        else:
+            raise RuntimeError(f"unknown message {kind!r} from rank 0")
+
+
+if __name__ == "__main__":
+    try:
+        main(*(int(a) for a in sys.argv[1:4]))
+    except EOFError:  # rank 0 has gone: nothing is left to serve
+        pass
