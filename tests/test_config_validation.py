@@ -101,9 +101,9 @@ def test_accepted_model_values() -> None:
 
 def test_residual_in_fp32_true_is_read_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     """transformers does not apply it either (tests/models/test_hf_parity.py checks both engines)."""
-    with caplog.at_level(logging.WARNING, logger="replayserve.config"):
+    with caplog.at_level(logging.WARNING, logger="replayserve.model_config"):
         assert _from_json(residual_in_fp32=True) == _from_json(residual_in_fp32=False) == BASE
-    assert [r.name for r in caplog.records] == ["replayserve.config"]
+    assert [r.name for r in caplog.records] == ["replayserve.model_config"]
     assert "residual_in_fp32: true, which is not applied" in caplog.records[0].getMessage()
 
 
