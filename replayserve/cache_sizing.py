@@ -112,7 +112,7 @@ def plan_cache_sizes(config: EngineConfig, free: int, total: int, own: int) -> C
     budget = int(total * config.gpu_memory_utilization) - own - reserve
 
     def cost(blocks: int, slots: int) -> int:
-        return sum(cache_bytes_for(config, dtype, blocks, slots))
+        return sum(cache_bytes_for(config, dtype, blocks, slots, per_rank=True))  # each rank has its own GPU
 
     fixed = cost(0, 0)
     per_block, per_slot = cost(1, 0) - fixed, cost(0, 1) - fixed
@@ -140,7 +140,7 @@ def plan_cache_sizes(config: EngineConfig, free: int, total: int, own: int) -> C
             f"{config.max_num_batched_tokens}); one sequence of "
             f"max_model_len={config.resolved_max_model_len} needs {need / GiB:.2f} GiB: raise gpu_memory_utilization "
             "or lower max_model_len, max_num_batched_tokens or max_num_seqs")
-    kv, mamba = cache_bytes_for(config, dtype, blocks, slots)
+    kv, mamba = cache_bytes_for(config, dtype, blocks, slots, per_rank=True)
     if kv + mamba + reserve > free:
         raise ConfigError(
             f"engine option gpu_memory_utilization: {config.gpu_memory_utilization} of {total / GiB:.2f} GiB plans "

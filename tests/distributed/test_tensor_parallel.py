@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from replayserve import LLM, SamplingParams
+from replayserve.cache_memory import cache_bytes_for
 from replayserve.outputs import RequestOutput
 from replayserve.tiny import make_tiny
 from tests.conftest import assert_pools_full
@@ -117,3 +118,18 @@ def test_prefix_hits_and_speculation_ran(runs: tuple[list, list, LLM]) -> None:
         assert metrics["spec_num_draft_tokens"] > 0
         assert spec.method != "ngram" or metrics["spec_num_accepted_tokens"] > 0
     assert_pools_full(llm)
+
+
+def test_per_rank_cache_bytes_are_what_rank_0_allocates(runs: tuple[list, list, LLM]) -> None:
+    """GPU cache sizing prices one rank's caches (each rank has its own GPU): they are rank 0's
+    tensors, and smaller than the whole model's (which sizing used before, so a tensor-parallel
+    engine was planned too few KV blocks)."""
+    _, _, llm = runs
+    runner = llm.engine.runner
+    kv = sum(t.numel() * t.element_size() for pair in runner.kv_caches for t in pair)
+    mamba = sum(t.numel() * t.element_size() for t in runner.ssm.state_tensors())
+    cfg = llm.config
+    sizes = (cfg.resolved_num_kv_blocks, cfg.resolved_num_mamba_cache_slots)
+    assert cache_bytes_for(cfg, torch.float64, *sizes, per_rank=True) == (kv, mamba)
+    whole = cache_bytes_for(cfg, torch.float64, *sizes)
+    assert whole[1] > mamba and whole[0] >= kv
