@@ -150,14 +150,15 @@ def plan_cache_sizes(config: EngineConfig, free: int, total: int, own: int) -> C
     return CachePlan(blocks, slots, kv, mamba, budget, own, reserve)
 
 
-def size_caches(config: EngineConfig) -> EngineConfig:
+def size_caches(config: EngineConfig, pending: int = 0) -> EngineConfig:
     """`config` with its unset cache sizes planned from the CUDA device's memory now (after the
-    weights are loaded) and logged; any other config unchanged."""
+    weights are loaded) and logged; any other config unchanged. pending: bytes this engine will
+    still allocate besides its caches (a draft model), counted as held and not free."""
     if not config.sized_by_memory:
         return config
     device = torch.device(config.device)
     torch.cuda.empty_cache()  # loading may leave freed blocks in torch's cache, which mem_get_info counts as used
     free, total = torch.cuda.mem_get_info(device)
-    plan = plan_cache_sizes(config, free, total, own=torch.cuda.memory_reserved(device))
+    plan = plan_cache_sizes(config, free - pending, total, own=torch.cuda.memory_reserved(device) + pending)
     logger.info(plan.describe(config))
     return plan.apply(config)

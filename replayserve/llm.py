@@ -18,6 +18,7 @@ from replayserve.engine.engine import Engine
 from replayserve.engine.request import Request, SamplingParams
 from replayserve.models.loader import load_model
 from replayserve.outputs import CompletionOutput, RequestOutput, to_logprobs
+from replayserve.speculative.draft import DraftModelProposer
 from replayserve.tiny_code import resolve_model
 from replayserve.tokenizer import Tokenizer
 
@@ -114,7 +115,11 @@ class LLM:
             self.workers = Workers.start(self.config, model)  # they load their slices while this rank loads its own
         try:
             net = load_model(model, TORCH_DTYPES[dtype], torch.device(device), 0, tensor_parallel_size)
-            self.config = size_caches(self.config)  # CUDA: what the weights leave, before any cache is allocated
+            spec = self.config.speculative
+            draft = (DraftModelProposer.memory_bytes(spec.model, self.config)
+                     if spec is not None and spec.method == "draft" and self.config.sized_by_memory else 0)
+            # CUDA: what the weights (and the draft model, loaded later) leave, before any cache is allocated
+            self.config = size_caches(self.config, pending=draft)
             self.engine = Engine(self.config, net, self.tokenizer, self.workers)
             if self.workers is not None:
                 self.workers.connect(self.config)

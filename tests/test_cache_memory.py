@@ -64,3 +64,22 @@ def test_the_limit_is_the_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_host_available_bytes_is_at_most_physical_memory() -> None:
     physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert 0 < available_bytes(torch.device("cpu")) <= physical
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_draft_memory_is_what_the_draft_model_holds(tiny_model_dir: Path, dtype: torch.dtype) -> None:
+    """GPU cache sizing leaves room for a draft model, which loads after the target's caches are
+    planned: its estimate is the draft's weights and caches as allocated. The MoE router is kept
+    in float32, so the estimate (every weight in the model's dtype) is low by the router's
+    rounding in bfloat16 at most."""
+    from replayserve.speculative.draft import DraftModelProposer
+
+    spec = {"method": "draft", "model": str(tiny_model_dir), "num_speculative_tokens": 2}
+    llm = LLM(model=str(tiny_model_dir), dtype=str(dtype).split(".")[1], device="cpu", max_num_seqs=3,
+              max_model_len=64, block_size=8, speculative=spec)
+    draft = llm.engine.proposer.llm
+    weights = sum(p.numel() * p.element_size() for p in draft.engine.runner.model.parameters())
+    held = weights + sum(_allocated(draft))
+    estimate = DraftModelProposer.memory_bytes(str(tiny_model_dir), llm.config)
+    router = sum(p.numel() for n, p in draft.engine.runner.model.named_parameters() if ".gate." in n)
+    assert held - router * (4 - dtype.itemsize) <= estimate <= held
