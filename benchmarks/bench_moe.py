@@ -14,6 +14,8 @@ in the same run, and the FLOPs against the measured bf16 matmul rate.
 
 `--sweep` times the routed experts alone (`fused_moe_triton`, graphed) under each candidate
 `GemmConfig` and prints the best beside `default_config`'s, to retune that function.
+`--profile` prints, per T, the GPU kernels of the graphed layer (torch.profiler over 20 replays):
+where a decode-size call's time goes besides the grouped GEMMs.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--no-ref", action="store_true", help="skip the reference loop (slow at large T)")
     p.add_argument("--sweep", action="store_true", help="time candidate GEMM tiles per T")
+    p.add_argument("--profile", action="store_true", help="the graphed layer's kernels per T")
     p.add_argument("--out", type=Path, help="write bench_moe.json here")
     return p.parse_args(argv)
 
@@ -152,6 +155,27 @@ def sweep(moe: MoE, x: torch.Tensor, reps: int) -> dict:
     return {"tokens": x.shape[0], "default_us": times[default], "best_us": times[best], "best": vars(best)}
 
 
+def profile_kernels(moe: MoE, x: torch.Tensor, replays: int = 20) -> dict[str, float]:
+    """Microseconds per call of each GPU kernel of the graphed layer on x, largest first."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    run = graphed(lambda: moe(x))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            run()
+        torch.cuda.synchronize()
+    kernels: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            kernels[e.name[:70]] = kernels.get(e.name[:70], 0.0) + e.time_range.elapsed_us() / replays
+    kernels = dict(sorted(kernels.items(), key=lambda kv: -kv[1]))
+    print(f"  T={x.shape[0]}: {sum(kernels.values()):.1f} us of kernels a call", flush=True)
+    for name, us in kernels.items():
+        print(f"    {us:8.1f} us  {name}", flush=True)
+    return kernels
+
+
 def candidates(block_m: int) -> list[GemmConfig]:
     """Tiles around a default block_m: half to twice it, 16 to 128."""
     ms = sorted({m for m in (block_m // 2, block_m, 2 * block_m) if 16 <= m <= 128})
@@ -175,10 +199,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = [measure(moe, torch.randn(t, cfg.hidden_size, device=device, dtype=dtype), rates, args) for t in args.tokens]
     sweeps = [sweep(moe, torch.randn(t, cfg.hidden_size, device=device, dtype=dtype), args.reps)
               for t in (args.tokens if args.sweep else [])]
+    profiles = [profile_kernels(moe, torch.randn(t, cfg.hidden_size, device=device, dtype=dtype))
+                for t in (args.tokens if args.profile else [])]
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_moe.json").write_text(json.dumps({"size": args.size, "dtype": args.dtype, "rates": rates,
-                                                             "rows": rows, "sweeps": sweeps}, indent=2))
+                                                             "rows": rows, "sweeps": sweeps, "profiles": profiles},
+                                                            indent=2))
     return rows
 
 
