@@ -243,16 +243,8 @@ def decode_row(model: NemotronHForCausalLM, args: argparse.Namespace, backend: s
         for _ in range(args.warmup):
             engine.step()
         cached = [r.num_tokens - 1 + (args.repeats * args.steps - 1) / 2 for r in requests]  # mean over timed steps
-        walls = []
         steps, overlapped = engine.num_steps, engine.num_overlapped_steps
-        with gc_off():
-            for _ in range(args.repeats):
-                sync()
-                t0 = time.perf_counter()
-                for _ in range(args.steps):
-                    engine.step()
-                sync()
-                walls.append(time.perf_counter() - t0)
+        walls = timed_windows(engine, args.repeats, args.steps, sync)
         # Async scheduling: the share of timed steps launched before the previous step was read back.
         row["overlapped_share"] = (engine.num_overlapped_steps - overlapped) / (engine.num_steps - steps)
         if device.type == "cuda" and args.profile_steps:
@@ -277,6 +269,20 @@ def decode_row(model: NemotronHForCausalLM, args: argparse.Namespace, backend: s
     if "gpu_ms_per_step" in row:  # the profiler slows the host: the same GPU time over the timed steps' wall
         row["gpu_busy_timed"] = row["gpu_ms_per_step"] / row["step_ms"]
     return row
+
+
+def timed_windows(engine: Engine, repeats: int, steps: int, sync: Callable[[], None]) -> list[float]:
+    """Wall seconds of `repeats` windows of `steps` engine steps, each ended by a device sync."""
+    walls = []
+    with gc_off():
+        for _ in range(repeats):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            sync()
+            walls.append(time.perf_counter() - t0)
+    return walls
 
 
 def serve_to_first_token(engine: Engine, prompts: list[list[int]], sync: Callable[[], None]) -> float:

@@ -24,7 +24,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_e2e import gc_off, random_prompts, sync_fn  # noqa: E402
+from bench_e2e import random_prompts, sync_fn, timed_windows  # noqa: E402
 from shapes import SIZES, model_config, random_model  # noqa: E402
 
 from replayserve import LLM  # noqa: E402
@@ -85,8 +84,8 @@ def collective_ms(steps: int, run: Callable[[], float], device: torch.device) ->
 
     warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with gc_off(), profile(activities=activities) as prof:
-        wall = run()
+    with profile(activities=activities) as prof:
+        wall = run()  # timed_windows keeps the collector off
     # NCCL runs as kernels on the GPU; gloo's collectives are CPU-side calls (their outermost op).
     kind = DeviceType.CUDA if device.type == "cuda" else DeviceType.CPU
     events = [e for e in prof.events() if e.device_type == kind and any(c in e.name.lower() for c in COLLECTIVES)]
@@ -110,27 +109,11 @@ def decode_rows(llm: LLM, args: argparse.Namespace, tp: int) -> list[dict]:
             engine.step()
         for _ in range(args.warmup):
             engine.step()
-        walls = []
-        with gc_off():
-            for _ in range(args.repeats):
-                sync()
-                t0 = time.perf_counter()
-                for _ in range(args.steps):
-                    engine.step()
-                sync()
-                walls.append(time.perf_counter() - t0)
-
-        def profiled() -> float:
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(args.profile_steps):
-                engine.step()
-            sync()
-            return time.perf_counter() - t0
-
+        walls = timed_windows(engine, args.repeats, args.steps, sync)
         row = {"tp": tp, "batch": batch, "walls_s": walls}
         if args.profile_steps:
-            row.update(collective_ms(args.profile_steps, profiled, device))
+            row.update(collective_ms(args.profile_steps, lambda: timed_windows(engine, 1, args.profile_steps, sync)[0],
+                                     device))
         for r in requests:
             engine.abort(r)
         wall = statistics.median(walls)

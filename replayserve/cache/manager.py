@@ -205,16 +205,16 @@ class CacheManager:
     def plan_boundaries(self, request: Request, start: int, num_tokens: int, every: bool,
                         also: tuple[int, ...] = ()) -> list[BoundaryWrite]:
         """Boundary states this step will produce for the request's tokens ``[start, start + n)``:
-        every grid boundary crossed (``every``, mode ``all``) or the one the step ends on and the
-        grid points in ``also`` (``align``). Boundaries already cached are skipped; so are those
-        no free slot can take."""
+        every grid boundary crossed (``every``, mode ``all``) or the last one crossed and the grid
+        points in ``also`` (``align``). Boundaries already cached are skipped; so are those no
+        free slot can take."""
         grid, end = self.state_block, start + num_tokens
         if self.states is None or end // grid == start // grid:  # no grid point in (start, end]
             return []
         if every:
             points = range((start // grid + 1) * grid, end + 1, grid)
         else:
-            points = sorted({p for p in (*also, end) if start < p <= end and p % grid == 0})
+            points = sorted({p for p in (*also, end // grid * grid) if start < p <= end and p % grid == 0})
         if not points:
             return []
         keys, hashes = self._hashed(request)

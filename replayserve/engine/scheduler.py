@@ -238,17 +238,16 @@ class Scheduler:
             room = min(room, self.max_model_len - request.num_tokens - 1)
         return max(room, 0)
 
-    def _keep_points(self, request: Request, start: int, n: int) -> tuple[int, ...]:
-        """``align``: grid points inside a prefill chunk ``[start, start + n)`` whose states are kept
-        besides one the chunk ends on: the chunk's last grid point (chunks are cut by the budget
-        alone, as in ``none``: cutting them on the grid cost a whole extra step per wave of long
-        prompts), the last one before the last known token (or a prompt that is a whole number of
-        grid blocks never leaves a usable state) and a branch point. The scan emits them all."""
+    def _keep_points(self, request: Request) -> tuple[int, ...]:
+        """``align``: grid points inside a prefill chunk whose states are kept besides the last one
+        it crosses (chunks are cut by the budget alone, as in ``none``: cutting them on the grid
+        cost a whole extra step per wave of long prompts): the last one before the last known
+        token (or a prompt that is a whole number of grid blocks never leaves a usable state) and a
+        branch point. The scan emits them all."""
         if self.mamba_cache_mode != "align" or request.decoding:
             return ()
         grid = self.cache.state_block
-        points = ((start + n) // grid * grid, (request.num_tokens - 1) // grid * grid, request.branch_point)
-        return tuple(p for p in points if p)
+        return tuple(p for p in ((request.num_tokens - 1) // grid * grid, request.branch_point) if p)
 
     def _reserve(self, request: Request, n: int, preempted: list[str]) -> bool:
         """Allocates blocks for n more tokens, preempting the newest running requests if needed."""
@@ -273,7 +272,7 @@ class Scheduler:
             # ones beyond what is accepted are dropped after the step.
             every = self.mamba_cache_mode == "all" or bool(drafts)
             writes = tuple(self.cache.plan_boundaries(request, start, n, every=every,
-                                                      also=() if every else self._keep_points(request, start, n)))
+                                                      also=() if every else self._keep_points(request)))
         targets: tuple[int, ...] = ()
         if request.needs_prompt_logprobs and not drafts:  # positions p in [start, start + n) predict p + 1
             targets = tuple(request.prompt_token_ids[start + 1 : min(start + n, len(request.prompt_token_ids) - 1) + 1])

@@ -132,4 +132,4 @@ def test_per_rank_cache_bytes_are_what_rank_0_allocates(runs: tuple[list, list, 
     sizes = (cfg.resolved_num_kv_blocks, cfg.resolved_num_mamba_cache_slots)
     assert cache_bytes_for(cfg, torch.float64, *sizes, per_rank=True) == (kv, mamba)
     whole = cache_bytes_for(cfg, torch.float64, *sizes)
-    assert whole[1] > mamba and whole[0] >= kv
+    assert whole[1] > mamba and whole[0] > kv  # every case splits (or, at 4 ranks, halves) 2 KV heads
