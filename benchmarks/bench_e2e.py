@@ -202,8 +202,8 @@ def profile_steps(engine: Engine, steps: int, sync: Callable[[], None]) -> dict:
     for e in kernels:
         by_kernel[e.name[:90]] += e.time_range.elapsed_us() / 1e3 / steps
         count_by_kernel[e.name[:90]] += 1 / steps
-    return {"top_kernels_ms": dict(by_kernel.most_common(12)),
-            "top_kernel_counts": dict(count_by_kernel.most_common(20)),
+    return {"top_kernels_ms": dict(by_kernel.most_common(40)),
+            "top_kernel_counts": dict(count_by_kernel.most_common(40)),
             "profiled_step_ms": 1e3 * wall / steps, "gpu_ms_per_step": 1e3 * gpu_s / steps, "gpu_busy": gpu_s / wall,
             "kernels_per_step": len(kernels) / steps,
             "copy_ms_per_step": sum(e.time_range.elapsed_us() for e in copies) / 1e3 / steps,

@@ -15,6 +15,9 @@ from replayserve.ops.moe import fused_moe_ref, topk_route_ref
 # cuBLAS for it. H200, Nemotron-3-Nano's MoE layer graphed (bench_moe): folded 74 / 244 / 615 us
 # at 1 / 8 / 64 tokens against 84 / 257 / 608 us unfolded.
 FOLD_SHARED_MAX_TOKENS = 32
+# Up to this many tokens the router's logits come from one Triton kernel (`TopkRouter.logits`);
+# larger batches are matrix products for cuBLAS.
+ROUTER_KERNEL_MAX_TOKENS = 32
 
 
 class MLP(nn.Module):
@@ -47,20 +50,41 @@ class TopkRouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.num_experts, cfg.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts))
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, hidden) -> (T, E) router logits in the router dtype. Decode-sized batches on CUDA
+        take one Triton kernel that casts x in flight (cuBLAS takes a cast, a dot and a reduction:
+        7.9 us at one token of Nemotron-3-Nano on the H200)."""
+        if triton_ok(x) and self.weight.dtype == torch.float32 and x.shape[0] <= ROUTER_KERNEL_MAX_TOKENS:
+            from replayserve.ops.moe_route_triton import router_logits_triton
+
+            return router_logits_triton(x, self.weight)
+        return x.to(self.weight.dtype) @ self.weight.t()
+
     def forward(self, x: torch.Tensor, always: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, hidden) -> expert ids (T, top_k), weights (T, top_k) in the router dtype; with
         `always` = S > 0 (Triton only), each token's row ends with experts E .. E + S - 1 at weight 1.
 
         Ids are int64 from the reference, int32 from the Triton kernel (CUDA, router in fp32)."""
-        logits = x.to(self.weight.dtype) @ self.weight.t()
+        logits = self.logits(x)
         args = (self.top_k, self.n_group, self.topk_group, self.norm_topk_prob, self.scaling)
         if triton_ok(logits) and logits.dtype == torch.float32:
-            from replayserve.ops.moe_triton import topk_route_triton
+            from replayserve.ops.moe_route_triton import topk_route_triton
 
             return topk_route_triton(logits, self.e_score_correction_bias, *args, always=always)
         if always:
             raise ValueError("always-on experts are appended by the Triton router only")
         return topk_route_ref(logits, self.e_score_correction_bias, *args)
+
+    def route_aligned(self, x: torch.Tensor, always: int, block_m: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Triton only: ``forward``'s ids and weights, and the pairs aligned by expert over the E + S
+        experts in blocks of `block_m` (``align_by_expert``), routed and aligned in one kernel for
+        decode-sized batches."""
+        from replayserve.ops.moe_route_triton import route_and_align_triton
+
+        args = (self.top_k, self.n_group, self.topk_group, self.norm_topk_prob, self.scaling)
+        return route_and_align_triton(self.logits(x), self.e_score_correction_bias, *args, block_m=block_m,
+                                      always=always)
 
 
 class MoE(nn.Module):
@@ -134,16 +158,19 @@ class MoE(nn.Module):
         num = len(self.experts)
         w_up, w_down = self.stacked_experts()
         if triton_ok(x):
-            from replayserve.ops.moe_triton import fused_moe_triton
+            from replayserve.ops.moe_triton import default_config, fused_moe_triton
 
-            if self.num_folded and x.shape[0] <= FOLD_SHARED_MAX_TOKENS:
-                ids, weights = self.gate(x, always=self.num_folded)
-                return fused_moe_triton(x, w_up, w_down, ids, weights)
-            ids, weights = self.gate(x)
+            folded = self.num_folded if x.shape[0] <= FOLD_SHARED_MAX_TOKENS else 0
+            config = default_config(x.shape[0] * (self.gate.top_k + folded), num + folded)
+            ids, weights, aligned = self.gate.route_aligned(x, folded, config.block_m)
+            kw = dict(config=config, aligned=aligned)
+            if folded:
+                return fused_moe_triton(x, w_up, w_down, ids, weights, **kw)
             routed_in, shared = self.fc1_latent_proj(x), self.shared_experts(x)
             if isinstance(self.fc2_latent_proj, nn.Identity):  # the shared expert added in the same kernel
-                return fused_moe_triton(routed_in, w_up[:num], w_down[:num], ids, weights, add=shared)
-            return self.fc2_latent_proj(fused_moe_triton(routed_in, w_up[:num], w_down[:num], ids, weights)) + shared
+                return fused_moe_triton(routed_in, w_up[:num], w_down[:num], ids, weights, add=shared, **kw)
+            return self.fc2_latent_proj(fused_moe_triton(routed_in, w_up[:num], w_down[:num], ids, weights, **kw)
+                                        ) + shared
         ids, weights = self.gate(x)
         routed = fused_moe_ref(self.fc1_latent_proj(x), w_up[:num], w_down[:num], ids, weights)
         return self.fc2_latent_proj(routed.to(x.dtype)) + self.shared_experts(x)

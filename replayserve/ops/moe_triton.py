@@ -3,17 +3,13 @@
 Nothing here reads a device value on the host, and every buffer and grid is sized from the shapes
 alone (T tokens, top_k, E experts), so one MoE layer can be captured in a CUDA graph:
 
-1. ``topk_route_triton``: one program per token turns its fp32 router logits into top_k expert ids
-   and weights (sigmoid, bias-corrected group-limited choice, normalisation, scaling).
-2. ``align_by_expert``: the T * top_k (token, k) pairs sorted by expert (stably: by pair index
-   within an expert), each expert's run padded to a multiple of BLOCK_M, in a buffer of the largest
-   padded size the shapes allow; padding entries hold T * top_k and are masked. One Triton program
-   does it for decode-sized batches; larger ones take a few sync-free PyTorch ops.
-3. Two launches of one grouped GEMM over those blocks, a block's expert read from the device: the
+1. The routing (``replayserve.ops.moe_route_triton``) gives each token's expert ids and weights and
+   the (token, k) pairs sorted by expert in blocks of BLOCK_M rows (``align_by_expert``).
+2. Two launches of one grouped GEMM over those blocks, a block's expert read from the device: the
    up projection with relu^2 in its epilogue (kept in x's dtype, as the reference keeps it), then
    the down projection times the routing weight, one row per pair in x's dtype (the reference
    rounds each expert's output to x's dtype too, before weighting).
-4. ``_sum_topk_kernel`` sums each token's top_k rows in fp32 in a fixed order and adds the shared
+3. ``_sum_topk_kernel`` sums each token's top_k rows in fp32 in a fixed order and adds the shared
    expert's output. Writing (T * top_k, W) and reducing costs a pass over that buffer (2 bytes an
    element in bf16) but, unlike fp32 atomics into the output, gives the same bits on every run.
 """
@@ -27,94 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# At most this many (token, k) pairs are aligned by the one-program kernel (decode steps: one launch
-# instead of about 15); it walks the pairs in chunks, so larger batches take the PyTorch ops. Untuned.
-_ALIGN_IN_ONE_PROGRAM = 1024
-
-
-@triton.jit
-def _route_kernel(
-    logits_ptr, bias_ptr, ids_ptr, weights_ptr, n_group, experts_per_group, scaling, s_l_t, s_l_e,
-    TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUPED: tl.constexpr, NORM: tl.constexpr,
-    ALWAYS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    g = tl.arange(0, BLOCK_G)
-    j = tl.arange(0, BLOCK_J)
-    expert = g[:, None] * experts_per_group + j[None, :]  # (BLOCK_G, BLOCK_J): expert ids by group
-    valid = (g[:, None] < n_group) & (j[None, :] < experts_per_group)
-    logit = tl.load(logits_ptr + t * s_l_t + expert * s_l_e, mask=valid, other=0.0).to(tl.float32)
-    score = tl.sigmoid(logit)
-    choice = score + tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
-    choice = tl.where(valid, choice, -float("inf"))
-    if GROUPED:  # a group ranks by its two best choices; only the TOPK_GROUP best groups stay
-        best = tl.max(choice, axis=1)
-        first = tl.min(tl.where(choice == best[:, None], j[None, :], BLOCK_J), axis=1)
-        second = tl.max(tl.where(j[None, :] == first[:, None], -float("inf"), choice), axis=1)
-        group_score = tl.where(g < n_group, best + second, -float("inf"))
-        keep = g < 0
-        for _ in tl.static_range(TOPK_GROUP):
-            pick = tl.min(tl.where(group_score == tl.max(group_score, axis=0), g, BLOCK_G), axis=0)
-            keep = keep | (g == pick)
-            group_score = tl.where(g == pick, -float("inf"), group_score)
-        choice = tl.where(keep[:, None], choice, -float("inf"))
-    slots = tl.arange(0, BLOCK_K)
-    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
-    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k in tl.static_range(TOP_K):  # the best remaining choice, the lowest id among equals
-        top = tl.max(tl.max(choice, axis=1), axis=0)
-        pick = tl.min(tl.min(tl.where(choice == top, expert, BLOCK_G * BLOCK_J), axis=1), axis=0)
-        chosen = valid & (expert == pick)
-        weight = tl.sum(tl.sum(tl.where(chosen, score, 0.0), axis=1), axis=0)
-        ids = tl.where(slots == k, pick, ids)
-        weights = tl.where(slots == k, weight, weights)
-        choice = tl.where(chosen, -float("inf"), choice)
-    if NORM:
-        weights = weights / (tl.sum(weights, axis=0) + 1e-20)
-    mask = slots < TOP_K
-    row = TOP_K + ALWAYS
-    tl.store(ids_ptr + t * row + slots, ids, mask=mask)
-    tl.store(weights_ptr + t * row + slots, weights * scaling, mask=mask)
-    if ALWAYS > 0:  # the shared expert's pseudo-experts, after the E routed ones, at weight 1
-        extra = tl.arange(0, BLOCK_S)
-        on = extra < ALWAYS
-        tl.store(ids_ptr + t * row + TOP_K + extra, (n_group * experts_per_group + extra).to(tl.int32), mask=on)
-        tl.store(weights_ptr + t * row + TOP_K + extra, tl.full(extra.shape, 1.0, tl.float32), mask=on)
-
-
-@triton.jit
-def _align_kernel(
-    ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_blocks,
-    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    experts = tl.arange(0, BLOCK_E)
-    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for start in range(0, num_pairs, BLOCK_N):
-        offs = start + tl.arange(0, BLOCK_N)
-        e = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
-        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    padded_end = tl.cumsum(padded, axis=0)
-    padded_start = padded_end - padded
-    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
-    # A block's expert is the number of experts whose padded run ends at or before the block starts.
-    for b0 in range(0, num_blocks, BLOCK_N):
-        b = b0 + tl.arange(0, BLOCK_N)
-        owner = tl.sum((padded_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + b, owner, mask=b < num_blocks)
-    for p0 in range(0, num_blocks * BLOCK_M, BLOCK_N):
-        p = p0 + tl.arange(0, BLOCK_N)
-        tl.store(sorted_ptr + p, tl.full([BLOCK_N], 0, tl.int32) + num_pairs, mask=p < num_blocks * BLOCK_M)
-    tl.debug_barrier()  # the padding is written before the pairs overwrite their places
-    seen = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for start in range(0, num_pairs, BLOCK_N):
-        offs = start + tl.arange(0, BLOCK_N)
-        e = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
-        onehot = (e[:, None] == experts[None, :]).to(tl.int32)
-        earlier = tl.cumsum(onehot, axis=0) - onehot  # pairs of this chunk before this one, same expert
-        place = tl.sum(onehot * (earlier + (padded_start + seen)[None, :]), axis=1)
-        tl.store(sorted_ptr + place, offs, mask=offs < num_pairs)
-        seen += tl.sum(onehot, axis=0)
+from replayserve.ops.moe_route_triton import align_by_expert
 
 
 @triton.jit
@@ -170,88 +79,6 @@ def _sum_topk_kernel(
     tl.store(out_ptr + t * s_o_t + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def topk_route_triton(logits: Tensor, bias: Tensor, top_k: int, n_group: int, topk_group: int,
-                      norm_topk_prob: bool, scaling: float, always: int = 0) -> tuple[Tensor, Tensor]:
-    """``topk_route_ref`` on the GPU, in fp32, one program per token.
-
-    Arguments:
-        logits: (T, E) router logits, any float dtype and strides.
-        bias: (E,) ``e_score_correction_bias``.
-        top_k, n_group, topk_group, norm_topk_prob, scaling: as ``topk_route_ref``.
-        always: S experts E .. E + S - 1 appended to every token's choice at weight 1 (the shared
-            expert folded in as pseudo-experts, ``MoE.num_folded``).
-
-    Returns:
-        ids: (T, top_k + S) int32, best choice first (the lowest id among equal choices).
-        weights: (T, top_k + S) float32.
-    """
-    num_tokens, num_experts = logits.shape
-    if num_experts % n_group or not 1 <= topk_group <= n_group:
-        raise ValueError(f"n_group={n_group} must divide E={num_experts} and topk_group={topk_group} be 1..n_group")
-    ids = torch.empty(num_tokens, top_k + always, dtype=torch.int32, device=logits.device)
-    weights = torch.empty(num_tokens, top_k + always, dtype=torch.float32, device=logits.device)
-    if num_tokens:
-        per_group = num_experts // n_group
-        _route_kernel[(num_tokens,)](
-            logits, bias, ids, weights, n_group, per_group, float(scaling), *logits.stride(),
-            TOP_K=top_k, TOPK_GROUP=topk_group, GROUPED=n_group > 1, NORM=norm_topk_prob, ALWAYS=always,
-            BLOCK_S=triton.next_power_of_2(max(always, 1)),
-            BLOCK_G=triton.next_power_of_2(n_group), BLOCK_J=triton.next_power_of_2(per_group),
-            BLOCK_K=triton.next_power_of_2(top_k), num_warps=4,
-        )
-    return ids, weights
-
-
-def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """The most BLOCK_M-row blocks T * top_k = num_pairs pairs can need: each expert that gets a
-    pair pads its run by fewer than block_m rows."""
-    return triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
-
-
-def align_by_expert(ids: Tensor, num_experts: int, block_m: int,
-                    one_program: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """The (token, k) pairs grouped by expert in padded blocks, without a host sync.
-
-    Arguments:
-        ids: (T, top_k) integer expert ids in [0, E).
-        num_experts: E.
-        block_m: rows per block; each expert's run is padded to a multiple of it.
-        one_program: the one-program Triton kernel (default: up to 1024 pairs) or PyTorch ops.
-
-    Returns:
-        sorted_pairs: (max_blocks * block_m,) int32 pair indices t * top_k + k, by expert then
-            pair; padding holds T * top_k.
-        block_expert: (max_blocks,) int32, the expert of each block; blocks past num_padded hold
-            any value and are skipped.
-        num_padded: (1,) int32, the padded length in use.
-    """
-    flat = ids.reshape(-1).to(torch.int32)
-    num_pairs, dev = flat.numel(), ids.device
-    blocks = max_blocks(num_pairs, num_experts, block_m)
-    if one_program is None:
-        one_program = num_pairs <= _ALIGN_IN_ONE_PROGRAM
-    if one_program:
-        sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=dev)
-        block_expert = torch.empty(blocks, dtype=torch.int32, device=dev)
-        num_padded = torch.empty(1, dtype=torch.int32, device=dev)
-        block_e = triton.next_power_of_2(num_experts)
-        _align_kernel[(1,)](flat, sorted_pairs, block_expert, num_padded, num_pairs, blocks, BLOCK_M=block_m,
-                            BLOCK_E=block_e, BLOCK_N=max(16, 8192 // block_e), num_warps=4)
-        return sorted_pairs, block_expert, num_padded
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(
-        0, flat.long(), torch.ones(num_pairs, dtype=torch.int64, device=dev))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
-    by_expert, order = torch.sort(flat.long(), stable=True)
-    rank = torch.arange(num_pairs, device=dev) - (counts.cumsum(0) - counts).gather(0, by_expert)
-    place = (padded_end - padded).gather(0, by_expert) + rank
-    sorted_pairs = torch.full((blocks * block_m,), num_pairs, dtype=torch.int32, device=dev)
-    sorted_pairs.scatter_(0, place, order.to(torch.int32))
-    starts = torch.arange(blocks, device=dev) * block_m
-    block_expert = torch.searchsorted(padded_end, starts, right=True).to(torch.int32)
-    return sorted_pairs, block_expert, padded_end[-1:].to(torch.int32)
-
-
 @dataclass(frozen=True)
 class GemmConfig:
     """Tiles and launch settings of the two grouped GEMMs (powers of two; tl.dot needs 16 and up)."""
@@ -278,7 +105,8 @@ def default_config(num_pairs: int, num_experts: int) -> GemmConfig:
 
 
 def fused_moe_triton(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weights: Tensor,
-                     add: Tensor | None = None, config: GemmConfig | None = None) -> Tensor:
+                     add: Tensor | None = None, config: GemmConfig | None = None,
+                     aligned: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
     """``fused_moe_ref`` on the GPU, rounded to x's dtype, plus ``add`` (the shared expert).
 
     Arguments:
@@ -290,6 +118,8 @@ def fused_moe_triton(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weigh
         add: optional (T, W) added after the routed sum is rounded to x's dtype, as the reference's
             ``routed.to(x.dtype) + shared`` does.
         config: the GEMMs' tiles; by default ``default_config`` of the shapes.
+        aligned: ``align_by_expert(ids, E, config.block_m)`` when the caller has it (the decode
+            router makes it in its routing kernel).
 
     Returns:
         (T, W) contiguous in x.dtype.
@@ -303,8 +133,10 @@ def fused_moe_triton(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weigh
     if num_tokens == 0:
         return out
     num_pairs = num_tokens * top_k
+    if aligned is not None and config is None:
+        raise ValueError("aligned blocks come with the config whose block_m they were made for")
     cfg = config or default_config(num_pairs, num_experts)
-    sorted_pairs, block_expert, num_padded = align_by_expert(ids, num_experts, cfg.block_m)
+    sorted_pairs, block_expert, num_padded = aligned or align_by_expert(ids, num_experts, cfg.block_m)
     weights = weights.reshape(-1).contiguous()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models: no TF32 rounding, as PyTorch's
     common = dict(PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,

@@ -15,14 +15,14 @@ import torch.nn.functional as F
 from replayserve.layers.mlp import MoE
 from replayserve.ops.activation import relu_square_ref
 from replayserve.ops.moe import fused_moe_ref, topk_route_ref
-from replayserve.ops.moe_triton import (
-    GemmConfig,
+from replayserve.ops.moe_route_triton import (
     align_by_expert,
-    default_config,
-    fused_moe_triton,
     max_blocks,
+    route_and_align_triton,
+    router_logits_triton,
     topk_route_triton,
 )
+from replayserve.ops.moe_triton import GemmConfig, default_config, fused_moe_triton
 from replayserve.tiny import tiny_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -37,7 +37,7 @@ cuda_only = pytest.mark.skipif(DEVICE != "cuda", reason="exercised on the H200")
     (12, 3, 3, 1, False, 1.5),  # groups of 3 (padded to 4 in the kernel), one group kept
     (128, 6, 1, 1, True, 2.5),  # Nemotron-3-Nano's router
 ])
-@pytest.mark.parametrize("num_tokens", [1, 9])
+@pytest.mark.parametrize("num_tokens", [1, 9, 70])  # 70: three programs of 32 tokens
 def test_route_equals_the_reference(num_experts: int, top_k: int, n_group: int, topk_group: int, norm: bool,
                                     scaling: float, num_tokens: int) -> None:
     gen = torch.Generator().manual_seed(num_experts * 100 + num_tokens)
@@ -91,6 +91,45 @@ def test_align_by_expert(one_program: bool, num_tokens: int, top_k: int, num_exp
     assert num_padded.item() == len(want_pairs) <= blocks * block_m
     assert sorted_pairs[:len(want_pairs)].tolist() == want_pairs
     assert (sorted_pairs[len(want_pairs):] == num_tokens * top_k).all()
+    assert block_expert[:len(want_owners)].tolist() == want_owners
+
+
+@pytest.mark.parametrize(("num_tokens", "hidden", "num_experts"), [(1, 2688, 128), (5, 100, 12), (32, 48, 7)])
+def test_router_logits_equal_the_product(num_tokens: int, hidden: int, num_experts: int) -> None:
+    """The cast-in-kernel GEMV is x @ W.T in fp32 (vs float64), for bf16 x too and strided rows."""
+    gen = torch.Generator().manual_seed(hidden)
+    x = torch.randn(num_tokens, 2 * hidden, generator=gen)[:, ::2]  # strided rows and columns
+    weight = torch.randn(num_experts, hidden, generator=gen) / hidden**0.5
+    for dtype in DTYPES:
+        xd = x.to(dtype)
+        got = router_logits_triton(xd.to(DEVICE), weight.to(DEVICE))
+        assert got.dtype == torch.float32 and got.shape == (num_tokens, num_experts)
+        torch.testing.assert_close(got.cpu().double(), xd.double() @ weight.double().t(), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k", "n_group", "topk_group", "always", "block_m"), [
+    (1, 128, 6, 1, 1, 2, 16),   # Nemotron-3-Nano at one token, shared expert folded
+    (7, 16, 4, 4, 2, 0, 16),
+    (32, 12, 3, 3, 1, 1, 32),   # the most tokens one program routes
+    (33, 16, 2, 1, 1, 0, 16),   # past it: the two separate calls
+])
+def test_route_and_align_in_one_program(num_tokens: int, num_experts: int, top_k: int, n_group: int,
+                                        topk_group: int, always: int, block_m: int) -> None:
+    """One program's ids, weights and alignment equal the route kernel's and the alignment of
+    its ids over the E + S experts, and the route kernel's ids equal the reference's."""
+    gen = torch.Generator().manual_seed(num_tokens * 31 + num_experts)
+    logits = (torch.randn(num_tokens, num_experts, generator=gen) * 2).to(DEVICE)
+    bias = (torch.randn(num_experts, generator=gen) * 0.3).to(DEVICE)
+    args = (top_k, n_group, topk_group, True, 2.5)
+    ids, weights, aligned = route_and_align_triton(logits, bias, *args, block_m=block_m, always=always)
+    want_ids, want_weights = topk_route_triton(logits, bias, *args, always=always)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
+    ref_ids, _ = topk_route_ref(logits.cpu().double(), bias.cpu().double(), *args)
+    assert torch.equal(ids[:, :top_k].cpu().long(), ref_ids)
+    want_pairs, want_owners = _plain_alignment(ids.cpu(), num_experts + always, block_m)
+    sorted_pairs, block_expert, num_padded = aligned
+    assert num_padded.item() == len(want_pairs)
+    assert sorted_pairs[:len(want_pairs)].tolist() == want_pairs
     assert block_expert[:len(want_owners)].tolist() == want_owners
 
 
