@@ -94,7 +94,8 @@ def test_align_by_expert(one_program: bool, num_tokens: int, top_k: int, num_exp
     assert block_expert[:len(want_owners)].tolist() == want_owners
 
 
-@pytest.mark.parametrize(("num_tokens", "hidden", "num_experts"), [(1, 2688, 128), (5, 100, 12), (32, 48, 7)])
+@pytest.mark.parametrize(("num_tokens", "hidden", "num_experts"), [(1, 2688, 128), (5, 100, 12), (32, 48, 7),
+                                                               (2, 5000, 3)])  # 5000: two steps of 4096
 def test_router_logits_equal_the_product(num_tokens: int, hidden: int, num_experts: int) -> None:
     """The cast-in-kernel GEMV is x @ W.T in fp32 (vs float64), for bf16 x too and strided rows."""
     gen = torch.Generator().manual_seed(hidden)
