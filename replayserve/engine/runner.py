@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -138,6 +139,14 @@ class Runner:
                                    for s in plan.seqs if not s.is_decode),
             prefill_starts=tuple(s.start_pos for s in plan.seqs if not s.is_decode),
         )
+        if self._mixers and ctx.num_decodes < len(plan.seqs) and triton_ok(self.model.backbone.embeddings.weight):
+            # The packed prefill kernels' metadata, once for every Mamba layer (CUDA; elsewhere the
+            # layers run each sequence by itself).
+            from replayserve.ssm.packed_prefill import build_prefill_plan
+
+            m = self.model.config
+            ctx = dataclasses.replace(ctx, prefill_plan=build_prefill_plan(
+                ctx.prefill_segments(), m.chunk_size, m.conv_kernel, self.device))
         return dev(ids), ctx
 
     @torch.inference_mode()

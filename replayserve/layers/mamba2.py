@@ -77,7 +77,8 @@ class Mamba2Mixer(nn.Module):
             y[:nt] = y_rows.flatten(0, 1)[_valid_positions(ctx.decode_lens, index.shape[1], hidden.device)]
         segments = ctx.prefill_segments()
         if segments:
-            y[segments[0][0] : segments[-1][1]] = backend.prefill_batch(self.mamba_index, segments, xbc, dt, params)
+            y[segments[0][0] : segments[-1][1]] = backend.prefill_batch(self.mamba_index, segments, xbc, dt, params,
+                                                                         plan=ctx.prefill_plan)
         y = self.norm(y.reshape(hidden.shape[0], -1), z)
         return self.out_proj(y)
 

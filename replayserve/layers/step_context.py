@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from replayserve.ssm.packed_prefill import PrefillPlan
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,9 @@ class StepContext:
         are padding whose outputs are dropped).
     row_slots: with uniform_decode, (S,) int64 each row's state slot, -1 on padded rows: what
         once-per-step state updates (ReplaySSM's cursors) take, so that they skip the padding.
+    prefill_plan: the packed prefill kernels' metadata for `prefill_segments()`, built once per
+        step by the runner and read by every Mamba layer; None without prefill or where the
+        sequences run one by one (the reference path).
     """
 
     positions: torch.Tensor
@@ -48,6 +55,7 @@ class StepContext:
     uniform_decode: int = 0
     decode_num_tokens: torch.Tensor | None = None
     row_slots: torch.Tensor | None = None
+    prefill_plan: PrefillPlan | None = None
 
     @property
     def decode_lens(self) -> tuple[int, ...]:

@@ -56,36 +56,35 @@ class SSMBackend(ABC):
                                                         torch.device("cpu"), self.layout.act_dtype)
         self.spec_states, self._windows, self._accepted = [], {}, None
         self._capture_indices: dict[tuple, torch.Tensor] = {}
-        self._prefill_plan: tuple[tuple, PrefillPlan] | None = None  # the last step's, keyed by its segments
 
     @abstractmethod
     def reset_slots(self, slots: torch.Tensor) -> None:
         """Zeroes every layer's state of `slots` (int64, on the device): a fresh request."""
 
     def prefill_batch(self, layer: int, segments: Sequence[Segment], xbc: torch.Tensor, dt: torch.Tensor,
-                      params: MambaParams, packed: bool | None = None) -> torch.Tensor:
+                      params: MambaParams, plan: PrefillPlan | None = None, packed: bool | None = None) -> torch.Tensor:
         """Every prefill sequence of a step, each as `prefill` would run it.
 
         segments: ``StepContext.prefill_segments()``, contiguous, each with at least one token;
         xbc: (T, conv_dim) and dt: (T, H) the whole step's tokens. Returns y (hi - lo, H, P) for
         the segments' tokens lo = segments[0][0] to hi = segments[-1][1].
-        packed: run all sequences in one pass per op (the packed varlen conv1d and SSD scan
-        kernels; the step's plan is built by its first Mamba layer and reused by the others) or
-        one `prefill` call each; None: packed where the kernels serve the activations (CUDA).
+        plan: the step's packed prefill metadata (``StepContext.prefill_plan``, built once by the
+        runner for every layer): all sequences run in one pass per op (the packed varlen conv1d
+        and SSD scan kernels). Without it, `packed` says whether to build one for this call and run
+        packed, or to run one `prefill` call per sequence; None: packed where the kernels serve
+        the activations (CUDA).
         """
         lo, hi = segments[0][0], segments[-1][1]
-        if not (triton_ok(xbc) if packed is None else packed):
+        if plan is None and not (triton_ok(xbc) if packed is None else packed):
             ys = [self.prefill(layer, slot, xbc[start:end], dt[start:end], params, captures, first % params.chunk_size)
                   for start, end, slot, captures, first in segments]
             return ys[0] if len(ys) == 1 else torch.cat(ys)
         from replayserve.ssm.packed_prefill import build_prefill_plan, packed_prefill
 
-        key = (tuple(segments), params.chunk_size)
-        if self._prefill_plan is None or self._prefill_plan[0] != key:
+        if plan is None:
             plan = build_prefill_plan(segments, params.chunk_size, self.layout.conv_kernel, xbc.device)
-            self._prefill_plan = (key, plan)
-        return packed_prefill(self._prefill_plan[1], self.conv_state[layer], self.ssm_state[layer], xbc[lo:hi],
-                              dt[lo:hi], params, self.layout.split_xbc)
+        return packed_prefill(plan, self.conv_state[layer], self.ssm_state[layer], xbc[lo:hi], dt[lo:hi], params,
+                              self.layout.split_xbc)
 
     def prefill(
         self, layer: int, slot: int, xbc: torch.Tensor, dt: torch.Tensor, params: MambaParams,

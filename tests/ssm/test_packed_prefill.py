@@ -13,6 +13,7 @@ import torch
 from replayserve.ssm.backend import MambaParams
 from replayserve.ssm.baseline import BaselineBackend
 from replayserve.ssm.layout import MambaLayout
+from replayserve.ssm.packed_prefill import build_prefill_plan
 from replayserve.ssm.replay import ReplayBackend
 
 CUDA = torch.cuda.is_available()
@@ -75,7 +76,33 @@ def test_packed_prefill_equals_per_sequence_prefill(backend_cls: type, dtype: to
         assert rel(packed.ssm_state[0][slot], loop.ssm_state[0][slot]) < TOL[dtype], f"SSM state of slot {slot}"
         assert rel(packed.conv_state[0][slot], loop.conv_state[0][slot]) < TOL[dtype], f"conv state of slot {slot}"
     assert torch.equal(backends[1].conv_state[0][[3, 4]], conv0[[3, 4]]), "slots outside the step are untouched"
-    # A second layer's call reuses the step's plan.
-    plan = backends[1]._prefill_plan
-    backends[1].prefill_batch(0, segments, xbc, dt, p, packed=True)
-    assert backends[1]._prefill_plan is plan
+    # The step's plan, as the runner builds it once for every layer, runs the same kernels.
+    again = backend_cls(lay, DEVICE)
+    again.conv_state[0].copy_(conv0)
+    again.ssm_state[0].copy_(ssm0)
+    plan = build_prefill_plan(segments, p.chunk_size, lay.conv_kernel, DEVICE)
+    assert torch.equal(again.prefill_batch(0, segments, xbc, dt, p, plan=plan), y)
+    assert torch.equal(again.ssm_state[0], backends[1].ssm_state[0])
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the runner plans packed prefill on CUDA; exercised on the H200")
+def test_the_runner_plans_prefill_once_for_every_layer(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """Every Mamba layer of a prefill step runs the one plan the runner built for the step."""
+    from replayserve import LLM, SamplingParams
+    from replayserve.ssm.backend import SSMBackend
+    from replayserve.tiny import make_tiny
+
+    seen: list[object] = []
+    original = SSMBackend.prefill_batch
+
+    def recording(self, layer, segments, xbc, dt, params, plan=None, packed=None):  # noqa: ANN001, ANN202
+        seen.append(plan)
+        return original(self, layer, segments, xbc, dt, params, plan=plan, packed=packed)
+
+    monkeypatch.setattr(SSMBackend, "prefill_batch", recording)
+    llm = LLM(model=str(make_tiny(tmp_path, seed=0, layers="M*-M*-")), dtype="float32", device="cuda",
+              max_num_seqs=2, max_model_len=64, enforce_eager=True)
+    seen.clear()
+    llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9] * 7}], SamplingParams(temperature=0.0, max_tokens=2),
+                 use_tqdm=False)
+    assert len(seen) == 2 and seen[0] is not None and seen[0] is seen[1]
