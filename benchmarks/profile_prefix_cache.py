@@ -47,7 +47,7 @@ def profile_wave(engine, wave: list[list[int]], max_tokens: int, cuda: bool) -> 
             "total_ms": sum(by_name.values()), "by_name": by_name}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
@@ -56,14 +56,15 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=256)
     parser.add_argument("--state-slots", type=int, default=2)
     parser.add_argument("--rows", type=int, default=15, help="kernels / operators shown per backend")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
     args.dtype = "bfloat16" if cuda else "float32"
     args.suffix, args.max_tokens, args.block_size, args.budget = 32, 32, 16, 2048
     model = random_model(model_config(args.size), getattr(torch, args.dtype), args.device, seed=0)
     unit = "GPU kernel" if cuda else "host operator (self)"
+    out = {}
     for backend in args.backends:
-        results = {}
+        results = out[backend] = {}
         for mode in MODES:
             engine = make_engine(model, args, backend, "on", mode)
             vocab = engine.config.model.vocab_size
@@ -83,6 +84,7 @@ def main() -> None:
         for n in sorted(names, key=lambda n: -abs(extra[n]))[:args.rows]:
             print(f"| {n} | " + " | ".join(f"{results[m]['by_name'][n]:.2f}" for m in MODES) + " |")
         print("| total | " + " | ".join(f"{results[m]['total_ms']:.1f}" for m in MODES) + " |\n", flush=True)
+    return out
 
 
 if __name__ == "__main__":
