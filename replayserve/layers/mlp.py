@@ -50,6 +50,11 @@ class TopkRouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.num_experts, cfg.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts))
 
+    @property
+    def route_args(self) -> tuple[int, int, int, bool, float]:
+        """(top_k, n_group, topk_group, norm_topk_prob, scaling): what every routing function takes."""
+        return self.top_k, self.n_group, self.topk_group, self.norm_topk_prob, self.scaling
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, hidden) -> (T, E) router logits in the router dtype. Decode-sized batches on CUDA
         take one Triton kernel that casts x in flight (cuBLAS takes a cast, a dot and a reduction:
@@ -66,7 +71,7 @@ class TopkRouter(nn.Module):
 
         Ids are int64 from the reference, int32 from the Triton kernel (CUDA, router in fp32)."""
         logits = self.logits(x)
-        args = (self.top_k, self.n_group, self.topk_group, self.norm_topk_prob, self.scaling)
+        args = self.route_args
         if triton_ok(logits) and logits.dtype == torch.float32:
             from replayserve.ops.moe_route_triton import topk_route_triton
 
@@ -82,8 +87,7 @@ class TopkRouter(nn.Module):
         decode-sized batches."""
         from replayserve.ops.moe_route_triton import route_and_align_triton
 
-        args = (self.top_k, self.n_group, self.topk_group, self.norm_topk_prob, self.scaling)
-        return route_and_align_triton(self.logits(x), self.e_score_correction_bias, *args, block_m=block_m,
+        return route_and_align_triton(self.logits(x), self.e_score_correction_bias, *self.route_args, block_m=block_m,
                                       always=always)
 
 

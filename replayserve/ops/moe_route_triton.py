@@ -211,6 +211,12 @@ def _route_meta(logits: Tensor, top_k: int, n_group: int, topk_group: int, norm_
                 BLOCK_J=triton.next_power_of_2(num_experts // n_group), BLOCK_K=triton.next_power_of_2(top_k))
 
 
+def _route_buffers(num_tokens: int, width: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The (T, top_k + S) int32 ids and float32 weights the routing kernels write."""
+    return (torch.empty(num_tokens, width, dtype=torch.int32, device=device),
+            torch.empty(num_tokens, width, dtype=torch.float32, device=device))
+
+
 def topk_route_triton(logits: Tensor, bias: Tensor, top_k: int, n_group: int, topk_group: int,
                       norm_topk_prob: bool, scaling: float, always: int = 0) -> tuple[Tensor, Tensor]:
     """``topk_route_ref`` on the GPU, in fp32.
@@ -228,8 +234,7 @@ def topk_route_triton(logits: Tensor, bias: Tensor, top_k: int, n_group: int, to
     """
     meta = _route_meta(logits, top_k, n_group, topk_group, norm_topk_prob, always)
     num_tokens, num_experts = logits.shape
-    ids = torch.empty(num_tokens, top_k + always, dtype=torch.int32, device=logits.device)
-    weights = torch.empty(num_tokens, top_k + always, dtype=torch.float32, device=logits.device)
+    ids, weights = _route_buffers(num_tokens, top_k + always, logits.device)
     if num_tokens:
         block_t = min(_ROUTE_TOKENS_PER_PROGRAM, triton.next_power_of_2(num_tokens))
         _route_kernel[(triton.cdiv(num_tokens, block_t),)](
@@ -314,8 +319,7 @@ def route_and_align_triton(logits: Tensor, bias: Tensor, top_k: int, n_group: in
         ids, weights = topk_route_triton(logits, bias, top_k, n_group, topk_group, norm_topk_prob, scaling, always)
         return ids, weights, align_by_expert(ids, num_experts + always, block_m)
     meta = _route_meta(logits, top_k, n_group, topk_group, norm_topk_prob, always)
-    ids = torch.empty(num_tokens, top_k + always, dtype=torch.int32, device=logits.device)
-    weights = torch.empty(num_tokens, top_k + always, dtype=torch.float32, device=logits.device)
+    ids, weights = _route_buffers(num_tokens, top_k + always, logits.device)
     aligned = _alignment_buffers(num_pairs, num_experts + always, block_m, logits.device)
     block_t = triton.next_power_of_2(num_tokens)
     _route_align_kernel[(1,)](
