@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from replayserve.config import ModelConfig
+from replayserve.layers.linear import Linear
 from replayserve.layers.step_context import StepContext
 from replayserve.ops.attention import (
     decode_attention_dense,
@@ -31,10 +32,10 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.prefill_kernel_fits = prefill_kernel_head_dim(cfg.head_dim)
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(
         self, hidden: torch.Tensor, ctx: StepContext, kv_cache: tuple[torch.Tensor, torch.Tensor]

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from replayserve.config import ModelConfig
+from replayserve.layers.linear import Linear
 from replayserve.layers.norm import GatedRMSNorm
 from replayserve.layers.step_context import StepContext
 from replayserve.ops.dtypes import compute_dtype
@@ -24,14 +25,14 @@ class Mamba2Mixer(nn.Module):
         self.dt_limit = (cfg.time_step_min, math.inf)
         inner, conv_dim = cfg.mamba_intermediate_size, cfg.conv_dim
         self.split_sizes = [inner, conv_dim, self.num_heads]
-        self.in_proj = nn.Linear(cfg.hidden_size, sum(self.split_sizes), bias=cfg.use_bias)
+        self.in_proj = Linear(cfg.hidden_size, sum(self.split_sizes), bias=cfg.use_bias)
         # nn.Conv1d only holds the (conv_dim, 1, K) weight under its Hugging Face name.
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, cfg.conv_kernel, groups=conv_dim, bias=cfg.use_conv_bias)
         self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_heads))
         self.D = nn.Parameter(torch.ones(self.num_heads))
         self.norm = GatedRMSNorm(inner, inner // cfg.n_groups, cfg.layer_norm_epsilon)
-        self.out_proj = nn.Linear(inner, cfg.hidden_size, bias=cfg.use_bias)
+        self.out_proj = Linear(inner, cfg.hidden_size, bias=cfg.use_bias)
 
     def params(self) -> MambaParams:
         """The state update's view of the weights. A = -exp(A_log) and the casts are computed once

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from replayserve.config import ModelConfig
+from replayserve.layers.linear import Linear
 from replayserve.ops.activation import relu_square_ref
 from replayserve.ops.dtypes import triton_ok
 from replayserve.ops.moe import fused_moe_ref, topk_route_ref
@@ -23,8 +24,8 @@ ROUTER_KERNEL_MAX_TOKENS = 32
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up_proj(x)
@@ -103,8 +104,8 @@ class MoE(nn.Module):
         self.fc1_latent_proj: nn.Module = nn.Identity()
         self.fc2_latent_proj: nn.Module = nn.Identity()
         if cfg.moe_latent_size is not None:
-            self.fc1_latent_proj = nn.Linear(cfg.hidden_size, cfg.moe_latent_size, bias=cfg.mlp_bias)
-            self.fc2_latent_proj = nn.Linear(cfg.moe_latent_size, cfg.hidden_size, bias=cfg.mlp_bias)
+            self.fc1_latent_proj = Linear(cfg.hidden_size, cfg.moe_latent_size, bias=cfg.mlp_bias)
+            self.fc2_latent_proj = Linear(cfg.moe_latent_size, cfg.hidden_size, bias=cfg.mlp_bias)
         # The shared expert as S pseudo-experts of the routed width that every token takes with
         # weight 1 (relu^2 is elementwise, so its I_s = S * I columns split into S experts whose
         # outputs sum to it): small batches then run every expert in one grouped GEMM. Needs the

@@ -8,6 +8,7 @@ from torch import nn
 from replayserve.config import ATTENTION, MAMBA, ModelConfig
 from replayserve.config import MLP as MLP_TYPE
 from replayserve.layers.attention import Attention
+from replayserve.layers.linear import Linear
 from replayserve.layers.mamba2 import Mamba2Mixer
 from replayserve.layers.mlp import MLP, MoE
 from replayserve.layers.norm import RMSNorm
@@ -54,7 +55,7 @@ class NemotronHForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.backbone = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.num_nextn_predict_layers:
             self.mtp = NemotronHMTP(cfg)
         if cfg.tie_word_embeddings:

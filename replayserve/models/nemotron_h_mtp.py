@@ -16,6 +16,7 @@ from torch import nn
 
 from replayserve.config import ATTENTION, MOE, ModelConfig
 from replayserve.layers.attention import Attention
+from replayserve.layers.linear import Linear
 from replayserve.layers.mlp import MLP, MoE
 from replayserve.layers.norm import RMSNorm
 from replayserve.ops.attention import paged_attention_ref
@@ -36,7 +37,7 @@ class MTPBlock(nn.Module):
         if first:
             self.enorm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
             self.hnorm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
-            self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+            self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         if last:
             self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
 

@@ -306,4 +306,7 @@ def _usage(num_prompt_tokens: int, choices: list[_Choice]) -> Usage:
 
 
 def _event(model: BaseModel) -> str:
-    return f"data: {model.model_dump_json(exclude_none=True)}\n\n"
+    """One SSE event. The JSON is ASCII (``json.dumps`` escapes non-ASCII): pydantic's own dump
+    leaves U+2028, U+2029 and U+0085 raw, and clients that split lines the way ``str.splitlines``
+    does (httpx's ``iter_lines``) cut such an event in two mid-string."""
+    return f"data: {json.dumps(model.model_dump(mode='json', exclude_none=True), separators=(',', ':'))}\n\n"
