@@ -3,10 +3,11 @@
 At one row cuBLAS picks split-K kernels plus a reduction kernel for the narrow projections and
 reaches 2.2-3.1 TB/s; this kernel streams W once in (BLOCK_N, BLOCK_K) tiles, accumulating
 products in fp32, and reaches 2.6-4.1 TB/s on the same shapes. H100, bf16, in a CUDA graph,
-2026-12-05 (`scratch` GEMV study; microseconds, cuBLAS / this kernel): Nemotron-3-Nano in_proj
+2026-12-05 (microseconds, cuBLAS / this kernel; the study `python benchmarks/bench_gemv.py`
+repeats, not yet run itself): Nemotron-3-Nano in_proj
 2688x10304 23.0 / 21.0, out_proj 4096x2688 9.0 / 5.4, qkv 2688x4608 7.9 / 5.8, LM head 2688x131072
 248 / 227; Nemotron-H-8B in_proj 4096x18560 60.8 / 51.8, up 62.9 / 59.7, down 64.4 / 60.6. At four
-rows it lost everywhere (it rereads W per row), so `linear_one_row` takes one row only.
+rows it lost everywhere (it rereads W per row), so `layers/linear.Linear` takes it for one row only.
 """
 
 from __future__ import annotations

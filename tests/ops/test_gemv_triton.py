@@ -24,7 +24,6 @@ def test_gemv_matches_float64(dtype: torch.dtype, n: int, k: int, bias: bool) ->
     weight = (torch.randn(n, k, generator=gen, dtype=torch.float64) / k**0.5)
     b = torch.randn(n, generator=gen, dtype=torch.float64) if bias else None
     x64 = wide[:1, ::2]  # (1, K) with column stride 2
-    expected = gemv_ref(x64, weight, b)
     x = x64.to(DEVICE, dtype)
     got = gemv_triton(x, weight.to(DEVICE, dtype), None if b is None else b.to(DEVICE, dtype))
     assert got.shape == (1, n) and got.dtype == dtype
@@ -32,7 +31,6 @@ def test_gemv_matches_float64(dtype: torch.dtype, n: int, k: int, bias: bool) ->
     rounded = gemv_ref(x.double().cpu(), weight.to(dtype).double(), None if b is None else b.to(dtype).double())
     scale = rounded.abs().max()
     assert (got.double().cpu() - rounded).abs().max() / scale < TOL[dtype]
-    assert (rounded - expected).abs().max() / scale < 10 * TOL[dtype]
 
 
 def test_gemv_rejects_other_shapes() -> None:
@@ -59,9 +57,11 @@ def test_linear_one_row_takes_the_kernel_and_matches() -> None:
     x32 = torch.randn(1, 64, device="cuda")
     with torch.inference_mode():
         assert torch.equal(layer32(x32), F.linear(x32, layer32.weight, layer32.bias))  # fp32 keeps cuBLAS
+    y = layer(x[:1])  # autograd on: nn.Linear's forward, so the weights get gradients
+    assert y.requires_grad and torch.equal(y, F.linear(x[:1], layer.weight, layer.bias))
 
 
-def test_linear_keeps_nn_linear_on_cpu_and_under_autograd() -> None:
+def test_linear_on_cpu_is_nn_linear() -> None:
     from replayserve.layers.linear import Linear
 
     layer = Linear(16, 8)
