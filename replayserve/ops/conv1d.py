@@ -164,6 +164,8 @@ def causal_conv1d_varlen_ref(
     state_slots: Tensor,
     cu_seqlens: Tensor,
     activation: str | None = "silu",
+    captures: tuple[Tensor, Tensor, Tensor] | None = None,
+    end_slots: Tensor | None = None,
 ) -> Tensor:
     """``causal_conv1d_ref`` over S packed sequences, each from and back into its conv state slot.
 
@@ -175,6 +177,10 @@ def causal_conv1d_varlen_ref(
             inputs shift in when the sequence is shorter than K-1).
         state_slots: (S,) int, distinct.
         cu_seqlens: (S+1,) int, ascending from 0 to T.
+        captures: (sequence, end token, slot), (M,) int each, or None: the conv state before packed
+            token `end` of that sequence is written into the slot (prefix caching's boundaries).
+        end_slots: (S,) int or None: a slot that also receives sequence s's final conv state (-1:
+            none). Capture and end slots differ from state_slots and from each other.
 
     Returns:
         y: (T, D) in x.dtype.
@@ -182,9 +188,17 @@ def causal_conv1d_varlen_ref(
     bounds, slots = cu_seqlens.tolist(), state_slots.tolist()
     if len(bounds) != len(slots) + 1:
         raise ValueError(f"cu_seqlens must be (S+1,) for S={len(slots)} state slots, got {len(bounds)} entries")
+    width = conv_state.shape[-1]
+    # Captures read the stored states before any sequence overwrites its slot.
+    windows = [(dst, torch.cat([conv_state[slots[s]].to(x.dtype), x[bounds[s] : end].T], dim=1)[:, -width:])
+               for s, end, dst in zip(*(t.tolist() for t in captures), strict=True)] if captures is not None else []
+    for dst, window in windows:
+        conv_state[dst] = window.to(conv_state.dtype)
     ys = []
     for s, slot in enumerate(slots):
         y, conv_state[slot] = causal_conv1d_ref(x[bounds[s] : bounds[s + 1]], weight, bias, conv_state[slot],
                                                 activation)
+        if end_slots is not None and (dst := int(end_slots[s])) >= 0:
+            conv_state[dst] = conv_state[slot]
         ys.append(y)
     return torch.cat(ys)

@@ -14,7 +14,8 @@ lengths are known, and shared by every layer. A scan is four launches:
    token block (tensor cores for bf16/fp16), into an fp32 (chunks, H, P, N) buffer.
 3. ``_state_passing_kernel``, per (sequence, head, state block): walks the sequence's chunks in
    order from the state in its slot, replacing each chunk's contribution in the buffer by the
-   state entering the chunk (the grid state), and writes the final state back to the slot.
+   state entering the chunk (the grid state), and writes the final state back to the slot; grid
+   and final states that prefix caching captures are also stored into their boundary slots.
 4. ``_chunk_scan_kernel``, per (chunk, head, row block, P block): y = exp(cum_i) C_i S_in^T (the
    carried state) + sum_{j <= i} exp(cum_i - cum_j) (C_i . B_j) delta_j x_j (the intra-chunk
    quadratic form) + D x_i.
@@ -166,17 +167,18 @@ def _chunk_state_kernel(
 
 @triton.jit
 def _state_passing_kernel(
-    states_ptr, cum_ptr, table_ptr, seq_chunks_ptr, pool_ptr, slots_ptr,
+    states_ptr, cum_ptr, table_ptr, seq_chunks_ptr, pool_ptr, slots_ptr, capture_ptr, end_ptr,
     num_chunks, num_tokens, dim, dstate, s_st_c, s_st_h,
     s_pool_slot, s_pool_h, s_pool_p, s_pool_n,
-    BLOCK: tl.constexpr,
+    HAS_CAPTURES: tl.constexpr, BLOCK: tl.constexpr,
 ):
     s = tl.program_id(0)
     h = tl.program_id(1)
     offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < dim * dstate
     slot = tl.load(slots_ptr + s).to(tl.int64)
-    pool = pool_ptr + slot * s_pool_slot + h * s_pool_h + (offs // dstate) * s_pool_p + (offs % dstate) * s_pool_n
+    in_row = h * s_pool_h + (offs // dstate) * s_pool_p + (offs % dstate) * s_pool_n
+    pool = pool_ptr + slot * s_pool_slot + in_row
     state = tl.load(pool, mask=mask, other=0.0).to(tl.float32)
     first = tl.load(seq_chunks_ptr + s)
     last = tl.load(seq_chunks_ptr + s + 1)
@@ -186,10 +188,18 @@ def _state_passing_kernel(
         # Each element is read, then overwritten, by the same thread: no barrier needed.
         contribution = tl.load(ptrs, mask=mask, other=0.0)
         tl.store(ptrs, state, mask=mask)
+        if HAS_CAPTURES:  # the state entering chunk c is also a boundary slot's (prefix caching)
+            dst = tl.load(capture_ptr + c).to(tl.int64)
+            if dst >= 0:
+                tl.store(pool_ptr + dst * s_pool_slot + in_row, state.to(pool_ptr.dtype.element_ty), mask=mask)
         ptrs += s_st_c
         end = tl.load(table_ptr + num_chunks + c).to(tl.int64) + tl.load(table_ptr + 2 * num_chunks + c) - 1
         state = tl.exp(tl.load(cum_ptr + head_row + end)) * state + contribution
     tl.store(pool, state.to(pool_ptr.dtype.element_ty), mask=mask)
+    if HAS_CAPTURES:
+        dst = tl.load(end_ptr + s).to(tl.int64)
+        if dst >= 0:
+            tl.store(pool_ptr + dst * s_pool_slot + in_row, state.to(pool_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -307,6 +317,8 @@ def ssd_varlen_scan_triton(
     dt_limit: tuple[float, float] = (0.0, math.inf),
     return_grid_states: bool = False,
     chunks: VarlenChunks | None = None,
+    capture_slots: Tensor | None = None,
+    end_slots: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``ssd_varlen_scan_ref`` on the GPU (or the Triton interpreter): four launches for all sequences.
 
@@ -321,6 +333,11 @@ def ssd_varlen_scan_triton(
         state_slots: (S,) int32/int64 distinct slots.
         return_grid_states: also return the grid states.
         chunks: the step's chunk table from ``varlen_chunks`` (the same for every layer).
+        capture_slots: (num_chunks,) int64 or None: a slot of ssm_state that also receives the state
+            entering each chunk (grid entry k), -1 for none. end_slots: (S,) int64 or None: a slot
+            that also receives sequence s's final state, -1 for none. Both or neither; the slots
+            must differ from state_slots and from each other. This is how prefix-caching captures
+            reach their boundary slots without a second pass over the states.
 
     Returns:
         y: (T, H, P) in x.dtype.
@@ -332,6 +349,12 @@ def ssd_varlen_scan_triton(
     elif chunks.chunk_size != chunk_size:
         raise ValueError(f"the chunk table was cut for chunk size {chunks.chunk_size}, not {chunk_size}")
     _check(x, dt, A, B, C, ssm_state, state_slots, chunks)
+    if (capture_slots is None) != (end_slots is None):
+        raise ValueError("capture_slots and end_slots go together")
+    if capture_slots is not None and (capture_slots.shape != (chunks.num_chunks,)
+                                      or end_slots.shape != state_slots.shape):
+        raise ValueError(f"capture_slots {tuple(capture_slots.shape)} / end_slots {tuple(end_slots.shape)} must be "
+                         f"({chunks.num_chunks},) / {tuple(state_slots.shape)}")
     total, nheads, dim = x.shape
     ngroups, dstate = B.shape[1], B.shape[2]
     nc, nseq = chunks.num_chunks, state_slots.shape[0]
@@ -359,8 +382,9 @@ def ssd_varlen_scan_triton(
     )
     block = min(1024, triton.next_power_of_2(dim * dstate))
     _state_passing_kernel[(nseq, nheads, triton.cdiv(dim * dstate, block))](
-        states, cum, chunks.table, chunks.seq_chunks, ssm_state, state_slots, nc, total, dim, dstate,
-        *states.stride()[:2], *ssm_state.stride(), BLOCK=block, num_warps=4,
+        states, cum, chunks.table, chunks.seq_chunks, ssm_state, state_slots, capture_slots, end_slots,
+        nc, total, dim, dstate, *states.stride()[:2], *ssm_state.stride(),
+        HAS_CAPTURES=capture_slots is not None, BLOCK=block, num_warps=4,
     )
     block_m, block_p = tiles["scan_m"], tiles["scan_p"]
     _chunk_scan_kernel[(nc, nheads, triton.cdiv(chunk_size, block_m) * triton.cdiv(dim, block_p))](

@@ -76,3 +76,41 @@ def test_shared_token_index_and_argument_checks() -> None:
         causal_conv1d_varlen_triton(x, weight, None, state[..., :2], slots, cu_seqlens)
     with pytest.raises(ValueError, match="activation"):
         causal_conv1d_varlen_triton(x, weight, None, state, slots, cu_seqlens, activation="relu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if CUDA else []))
+def test_captures_and_end_slots(dtype: torch.dtype) -> None:
+    """The conv state before a packed token (prefix caching's boundary inside a sequence, also
+    within its first K-1 tokens, where it is partly the stored state) and a sequence's final state
+    land in other slots: as the reference computes them, and as the conv of that prefix alone
+    leaves its state."""
+    from replayserve.ops.conv1d import causal_conv1d_ref
+
+    gen = torch.Generator().manual_seed(7)
+    lens, dim, width, pool = [9, 2, 6], 24, 4, 10
+    total = sum(lens)
+    x = torch.randn(total, dim, generator=gen).to(DEVICE, dtype)
+    weight = torch.randn(dim, width, generator=gen).to(DEVICE, dtype)
+    state = torch.randn(pool, dim, width - 1, generator=gen).to(DEVICE, dtype)
+    slots = torch.tensor([4, 0, 7], device=DEVICE)
+    cu = torch.tensor([0, 9, 11, 17], device=DEVICE)
+    # (sequence, packed end token, slot): after 5 and 1 tokens of sequence 0, 1 token of sequence 2
+    rows = [(0, 5, 1), (0, 1, 2), (2, 12, 3)]
+    captures = tuple(torch.tensor(c, device=DEVICE) for c in zip(*rows, strict=True))
+    end_slots = torch.tensor([5, 8, -1], device=DEVICE)
+    start = state.clone()
+    ref_state = state.double()
+    y = causal_conv1d_varlen_triton(x, weight, None, state, slots, cu, captures=captures, end_slots=end_slots)
+    y_ref = causal_conv1d_varlen_ref(x.double(), weight.double(), None, ref_state, slots, cu, captures=captures,
+                                     end_slots=end_slots)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(y.double().cpu(), y_ref.double().cpu(), rtol=rtol, atol=atol)
+    assert torch.equal(state.cpu(), ref_state.to(dtype).cpu()), "every slot as the reference leaves it"
+    for s, end, dst in rows:  # independently: the conv of the sequence's first tokens alone
+        lo = int(cu[s])
+        _, after = causal_conv1d_ref(x[lo:end], weight, None, start[int(slots[s])])
+        assert torch.equal(state[dst], after), f"capture into slot {dst}"
+    assert torch.equal(state[5], state[4]) and torch.equal(state[8], state[0]), "end slots hold the final states"
+    assert torch.equal(state[[6, 9]], start[[6, 9]]), "slots outside the step are untouched"
+    with pytest.raises(ValueError, match="end_slots"):
+        causal_conv1d_varlen_triton(x, weight, None, state, slots, cu, end_slots=end_slots[:2])

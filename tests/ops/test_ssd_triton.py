@@ -178,3 +178,42 @@ def test_cuts_return_the_states_off_the_grid() -> None:
         close(grid[k], prefix_pool[inp["slots"][seq]], torch.float32)
     with pytest.raises(ValueError, match="cuts"):
         varlen_chunks(lens, phases, chunk_size, DEVICE, cuts=[[30], []])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if CUDA else []))
+def test_captured_states_land_in_their_slots(dtype: torch.dtype) -> None:
+    """capture_slots / end_slots store the state entering chunks and a sequence's final state into
+    other slots: exactly the grid and final states the scan computes, in the pool's dtype, with
+    every other slot and the outputs unchanged."""
+    lens, phases, chunk_size = [30, 9, 5], [3, 0, 2], 16
+    inp = make(lens, SMALL, dtype, seed=31)
+    chunks = varlen_chunks(lens, phases, chunk_size, DEVICE, cuts=[[7, 20], [4], []])
+    slots = inp["slots"].tolist()
+    free = [s for s in range(POOL) if s not in slots]  # 6 slots for captures
+    # chunk starts (0, 7, 13, 20, 29 | 30, 34 | 39): capture chunks 2, 3 and 6; sequences 0 and 2 end in a slot
+    capture = [-1, -1, free[0], free[1], -1, -1, free[2], -1]
+    ends = [free[3], -1, free[4]]
+    args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], chunk_size, inp["cu_seqlens"],
+            torch.tensor(phases, device=DEVICE))
+    plain_pool = inp["pool"].clone()
+    y0, grid = ssd_varlen_scan_triton(*args, plain_pool, inp["slots"], inp["D"], inp["dt_bias"],
+                                      return_grid_states=True, chunks=chunks)
+    pool = inp["pool"].clone()
+    y = ssd_varlen_scan_triton(*args, pool, inp["slots"], inp["D"], inp["dt_bias"], chunks=chunks,
+                               capture_slots=torch.tensor(capture, device=DEVICE),
+                               end_slots=torch.tensor(ends, device=DEVICE))
+    assert torch.equal(y, y0)
+    expected = plain_pool.clone()
+    for k, dst in enumerate(capture):
+        if dst >= 0:
+            expected[dst] = grid[k].to(pool.dtype)
+    for s, dst in enumerate(ends):
+        if dst >= 0:
+            expected[dst] = plain_pool[slots[s]]
+    assert torch.equal(pool, expected)
+    assert not torch.equal(expected[free[0]], inp["pool"][free[0]]), "the capture changed its slot"
+    with pytest.raises(ValueError, match="go together"):
+        ssd_varlen_scan_triton(*args, pool, inp["slots"], chunks=chunks, capture_slots=torch.tensor(capture))
+    with pytest.raises(ValueError, match="capture_slots"):
+        ssd_varlen_scan_triton(*args, pool, inp["slots"], chunks=chunks, capture_slots=torch.tensor(capture[:3]),
+                               end_slots=torch.tensor(ends))
