@@ -65,7 +65,9 @@ def run_lockstep(engines: dict, wave: list[list[int]], max_tokens: int) -> dict:
     """Every engine serves the wave, one step each in turn: {key: (TTFTs, clock, outputs, split)},
     where an engine's clock is the sum of its own step times (each step ends with a device sync,
     so no work of one engine runs into another's step) and split is (prefill steps, prefill
-    seconds, decode seconds): a step is a prefill step when any request still has prompt left.
+    seconds, decode seconds, device allocations): a step is a prefill step when any request still
+    has prompt left; device allocations count the caching allocator's cudaMalloc calls and retries
+    (a retry frees cached blocks, with a sync) during the engine's steps, read outside its clock.
     The garbage collector is off while the wave runs: its pauses would land on whichever
     engine's step they hit."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -73,7 +75,13 @@ def run_lockstep(engines: dict, wave: list[list[int]], max_tokens: int) -> dict:
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     requests = {k: [engine.add_request(p, params) for p in wave] for k, engine in engines.items()}
     clock = dict.fromkeys(engines, 0.0)
-    split = {k: [0, 0.0, 0.0] for k in engines}
+    split = {k: [0, 0.0, 0.0, 0] for k in engines}
+    cuda = device.startswith("cuda")
+
+    def allocs() -> int:
+        stats = torch.cuda.memory_stats() if cuda else {}
+        return stats.get("num_device_alloc", 0) + stats.get("num_alloc_retries", 0)
+
     first: dict = {k: {} for k in engines}
     active, turn = list(engines), 0
     gc.collect()
@@ -84,10 +92,12 @@ def run_lockstep(engines: dict, wave: list[list[int]], max_tokens: int) -> dict:
             for k in active[turn % len(active):] + active[: turn % len(active)]:
                 scheduler = engines[k].scheduler
                 prefill = bool(scheduler.waiting) or any(not r.decoding for r in scheduler.running)
+                before = allocs()
                 t0 = time.perf_counter()
                 engines[k].step()
                 sync()
                 took = time.perf_counter() - t0
+                split[k][3] += allocs() - before
                 clock[k] += took
                 split[k][0] += prefill
                 split[k][1 if prefill else 2] += took
@@ -166,6 +176,7 @@ def main() -> None:
                             "prefill_steps": statistics.median(s[0] for s in splits),
                             "prefill_ms": 1e3 * statistics.median(s[1] for s in splits),
                             "decode_ms": 1e3 * statistics.median(s[2] for s in splits),
+                            "device_allocs": sum(s[3] for s in splits),
                             "tok_s": args.requests * args.max_tokens / statistics.median(walls), "walls": walls,
                             "hit_rate": hits / queries if queries else 0.0, "outputs": outputs[c]})
         print(f"done shared={shared}", file=sys.stderr, flush=True)
@@ -173,8 +184,8 @@ def main() -> None:
           f"model {args.size}, {args.dtype} on {args.device}, block {args.block_size}; "
           f"medians of {args.repeats} rounds")
     print("| prefix | backend | caching | mamba_cache_mode | hit rate | TTFT (ms) | tok/s | tok/s vs off | "
-          "vs none (paired) | prefill steps | prefill / decode ms | same tokens |")
-    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+          "vs none (paired) | prefill steps | prefill / decode ms | cudaMalloc | same tokens |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in records:
         base, none = twin(records, r, "off", "none"), twin(records, r, "on", "none")
         paired = statistics.median(n / w for n, w in zip(none["walls"], r["walls"], strict=True))
@@ -182,7 +193,7 @@ def main() -> None:
         print(f"| {'shared' if r['shared'] else 'unique'} | {r['backend']} | {r['caching']} | {r['mode']} | "
               f"{r['hit_rate']:.0%} | {r['ttft_mean_ms']:.1f} | {r['tok_s']:.0f} | "
               f"{r['tok_s'] / base['tok_s']:.2f}x | {paired:.3f}x | {r['prefill_steps']:.0f} | "
-              f"{r['prefill_ms']:.0f} / {r['decode_ms']:.0f} | {'yes' if same else 'NO'} |")
+              f"{r['prefill_ms']:.0f} / {r['decode_ms']:.0f} | {r['device_allocs']} | {'yes' if same else 'NO'} |")
     if args.out:
         args.out.write_text(json.dumps([{k: v for k, v in r.items() if k != "outputs"} for r in records], indent=2))
 
