@@ -225,6 +225,15 @@ def main() -> None:
                 except (ConfigError, torch.OutOfMemoryError) as e:  # native spec keeps 1 + k states a row
                     records.append({"batch": batch, "config": name, "acceptance": acc,
                                     "skipped": str(e).split(";")[0][:160]})
+                    failed = True
+                else:
+                    failed = False
+                if failed:
+                    # The half-built engine lived in the exception's frames, gone only now: free its
+                    # memory, or every later row is refused for want of it (seen on an H100).
+                    gc.collect()
+                    if args.device.startswith("cuda"):
+                        torch.cuda.empty_cache()
                     continue
                 rate = m["spec_num_accepted_tokens"] / max(1, m["spec_num_draft_tokens"])
                 records.append({"batch": batch, "config": name, "acceptance": acc, "tok_s": tok_s,
