@@ -144,9 +144,8 @@ class Runner:
             # layers run each sequence by itself).
             from replayserve.ssm.packed_prefill import build_prefill_plan
 
-            m = self.model.config
             ctx = dataclasses.replace(ctx, prefill_plan=build_prefill_plan(
-                ctx.prefill_segments(), m.chunk_size, m.conv_kernel, self.device))
+                ctx.prefill_segments(), self.model.config.chunk_size, self.device))
         return dev(ids), ctx
 
     @torch.inference_mode()

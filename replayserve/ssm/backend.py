@@ -82,7 +82,7 @@ class SSMBackend(ABC):
         from replayserve.ssm.packed_prefill import build_prefill_plan, packed_prefill
 
         if plan is None:
-            plan = build_prefill_plan(segments, params.chunk_size, self.layout.conv_kernel, xbc.device)
+            plan = build_prefill_plan(segments, params.chunk_size, xbc.device)
         return packed_prefill(plan, self.conv_state[layer], self.ssm_state[layer], xbc[lo:hi], dt[lo:hi], params,
                               self.layout.split_xbc)
 

@@ -45,10 +45,8 @@ class PrefillPlan:
     end_capture: torch.Tensor | None
 
 
-def build_prefill_plan(segments: Sequence[Segment], chunk_size: int, conv_kernel: int,
-                       device: torch.device) -> PrefillPlan:
-    """The plan of `segments` (``StepContext.prefill_segments()``, each with at least one token).
-    conv_kernel is kept for the callers' symmetry with the layout (the kernels read K off the weights)."""
+def build_prefill_plan(segments: Sequence[Segment], chunk_size: int, device: torch.device) -> PrefillPlan:
+    """The plan of `segments` (``StepContext.prefill_segments()``, each with at least one token)."""
     lo = segments[0][0]
     starts = [start - lo for start, *_ in segments]
     lens = [end - start for start, end, *_ in segments]

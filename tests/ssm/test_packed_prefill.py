@@ -80,7 +80,7 @@ def test_packed_prefill_equals_per_sequence_prefill(backend_cls: type, dtype: to
     again = backend_cls(lay, DEVICE)
     again.conv_state[0].copy_(conv0)
     again.ssm_state[0].copy_(ssm0)
-    plan = build_prefill_plan(segments, p.chunk_size, lay.conv_kernel, DEVICE)
+    plan = build_prefill_plan(segments, p.chunk_size, DEVICE)
     assert torch.equal(again.prefill_batch(0, segments, xbc, dt, p, plan=plan), y)
     assert torch.equal(again.ssm_state[0], backends[1].ssm_state[0])
 
