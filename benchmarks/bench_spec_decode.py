@@ -89,6 +89,13 @@ def confident_(model: NemotronHForCausalLM) -> NemotronHForCausalLM:
     return model
 
 
+def release(device: str) -> None:
+    """Frees what a dropped engine held: its graphs' memory pools go with its reference cycles."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
 def measure(make_engine: Callable[[], Engine], prompts: list[list[int]], max_tokens: int,
             device: str) -> tuple[float, list[list[int]], dict]:
     """A warm-up serve (kernels compiled, graphs captured), then a timed one: its decode tok/s,
@@ -102,9 +109,7 @@ def measure(make_engine: Callable[[], Engine], prompts: list[list[int]], max_tok
         after = engine.get_metrics()
     finally:
         del engine
-        gc.collect()  # the graphs' memory pools go with the engine's reference cycles
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
+        release(device)
     delta = {k: after[k] - before[k] for k in ("spec_num_drafts", "spec_num_draft_tokens",
                                                "spec_num_accepted_tokens")}
     per_position = [a - b for a, b in itertools.zip_longest(after["spec_accepted_per_position"],
@@ -225,15 +230,11 @@ def main() -> None:
                 except (ConfigError, torch.OutOfMemoryError) as e:  # native spec keeps 1 + k states a row
                     records.append({"batch": batch, "config": name, "acceptance": acc,
                                     "skipped": str(e).split(";")[0][:160]})
-                    failed = True
-                else:
-                    failed = False
-                if failed:
+                    tok_s = None
+                if tok_s is None:
                     # The half-built engine lived in the exception's frames, gone only now: free its
                     # memory, or every later row is refused for want of it (seen on an H100).
-                    gc.collect()
-                    if args.device.startswith("cuda"):
-                        torch.cuda.empty_cache()
+                    release(args.device)
                     continue
                 rate = m["spec_num_accepted_tokens"] / max(1, m["spec_num_draft_tokens"])
                 records.append({"batch": batch, "config": name, "acceptance": acc, "tok_s": tok_s,

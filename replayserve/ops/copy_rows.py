@@ -1,11 +1,11 @@
 """Row gather-scatter between slot pools: ``dst[dst_index[m]] = src[src_index[m]]`` for every m.
 
-Prefix caching copies whole per-slot states this way (a prefill's captured grid states into
-boundary slots, a sequence's final state into the slot that caches it): rows of 4 MiB per layer
-at Nemotron-H-8B's shape. PyTorch's ``dst[i] = src[j]`` gathers into a temporary and then runs
-the advanced-indexing put, reading and writing every byte twice; ``copy_rows_triton`` reads each
-source row once and writes it once (on an H200 the captures of a no-sharing prefill wave cost
-~8% of its prefill time through the PyTorch path).
+Prefix caching copies whole per-slot states this way (``SSMBackend.copy_slots``: a hit's cached
+state into a live slot, a decode row's state into the boundary slot that caches it): rows of
+4 MiB per layer at Nemotron-H-8B's shape. PyTorch's ``dst[i] = src[j]`` gathers into a temporary
+and then runs the advanced-indexing put, reading and writing every byte twice; ``copy_rows_triton``
+reads each source row once and writes it once. (Prefill's captures, which it used to move, are
+now written by the packed prefill kernels themselves.)
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from replayserve.ops.conv1d import causal_conv1d_ref, causal_conv1d_update_ref, causal_conv1d_verify_ref
+from replayserve.ops.copy_rows import copy_rows
 from replayserve.ops.dtypes import triton_ok
 from replayserve.ops.ssd import ssd_chunk_scan_ref
 from replayserve.ssm.layout import MambaLayout
@@ -158,9 +159,10 @@ class SSMBackend(ABC):
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Every layer's state of canonical slots `src` into live slots `dst` (int64 (B,), on the
-        device), which then continue from it as fresh slots: a prefix hit."""
+        device), which then continue from it as fresh slots: a prefix hit. One read and one write
+        per row on CUDA (``copy_rows``), where ``t[dst] = t[src]`` would gather into a temporary."""
         for t in (*self.conv_state, *self.ssm_state):
-            t[dst] = t[src]
+            copy_rows(t, src, t, dst)
 
     def publish(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, lag: torch.Tensor,
                 A: list[torch.Tensor]) -> None:
