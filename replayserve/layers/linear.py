@@ -10,9 +10,13 @@ from torch import Tensor, nn
 
 
 class Linear(nn.Linear):
+    def takes_gemv(self, x: Tensor) -> bool:
+        """Whether ``forward(x)`` runs the Triton GEMV: one half-precision CUDA row, no autograd."""
+        return (x.dim() == 2 and x.shape[0] == 1 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+                and self.weight.dtype == x.dtype and not (torch.is_grad_enabled() and self.weight.requires_grad))
+
     def forward(self, x: Tensor) -> Tensor:
-        if (x.dim() == 2 and x.shape[0] == 1 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-                and self.weight.dtype == x.dtype and not (torch.is_grad_enabled() and self.weight.requires_grad)):
+        if self.takes_gemv(x):
             from replayserve.ops.gemv_triton import gemv_triton  # Triton only where the kernel runs
 
             return gemv_triton(x, self.weight, self.bias)

@@ -14,6 +14,10 @@ from replayserve.layers.step_context import StepContext
 from replayserve.ops.dtypes import compute_dtype
 from replayserve.ssm.backend import MambaParams, SSMBackend
 
+# A batch-1 decode step runs the conv update inside the in_proj GEMV (`ops/gemv_triton.gemv_conv_triton`):
+# one launch fewer per Mamba layer. A switch so that tests can compare it with the conv kernel.
+FUSED_CONV_AT_ONE_ROW = True
+
 
 class Mamba2Mixer(nn.Module):
     def __init__(self, cfg: ModelConfig, mamba_index: int) -> None:
@@ -57,10 +61,21 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, ctx: StepContext, backend: SSMBackend) -> torch.Tensor:
         """hidden (T, hidden_size) -> (T, hidden_size)."""
-        z, xbc, dt = self.in_proj(hidden).split(self.split_sizes, dim=-1)
         params = self.params()
-        y = hidden.new_empty(hidden.shape[0], self.num_heads, self.head_dim)
         nd, nt, width = ctx.num_decodes, ctx.num_decode_tokens, ctx.uniform_decode
+        one_row = nd == nt == hidden.shape[0] == 1 and width <= 1
+        if FUSED_CONV_AT_ONE_ROW and one_row and self.in_proj.takes_gemv(hidden):
+            # Batch-1 decode: the conv update runs in the in_proj GEMV's epilogue (one launch fewer).
+            from replayserve.ops.gemv_triton import gemv_conv_triton
+
+            proj = gemv_conv_triton(hidden, self.in_proj.weight, self.in_proj.bias, self.split_sizes[0],
+                                    backend.conv_state[self.mamba_index], params.conv_weight, params.conv_bias,
+                                    ctx.state_slots[:1])
+            z, xbc, dt = proj.split(self.split_sizes, dim=-1)
+            y = backend.decode(self.mamba_index, ctx.state_slots[:1], xbc, dt, params, conv_done=True)
+            return self.out_proj(self.norm(y.reshape(1, -1), z))
+        z, xbc, dt = self.in_proj(hidden).split(self.split_sizes, dim=-1)
+        y = hidden.new_empty(hidden.shape[0], self.num_heads, self.head_dim)
         if width > 1:  # a verify of rows padded to `width` tokens, fixed shapes (CUDA graphs)
             assert ctx.decode_num_tokens is not None
             y_rows = backend.verify(self.mamba_index, ctx.state_slots, xbc.view(nd, width, -1), dt.view(nd, width, -1),

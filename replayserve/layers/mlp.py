@@ -50,6 +50,9 @@ class TopkRouter(nn.Module):
         # Kept in the compute dtype (float32 for half models), as Hugging Face keeps it.
         self.weight = nn.Parameter(torch.zeros(self.num_experts, cfg.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts))
+        # The one-launch decode routing's arrival counter per device: not a buffer, so that no
+        # `.to()`, cast or meta-device build leaves it anything but zero.
+        self._arrivals: dict[torch.device, torch.Tensor] = {}
 
     @property
     def route_args(self) -> tuple[int, int, int, bool, float]:
@@ -84,12 +87,20 @@ class TopkRouter(nn.Module):
     def route_aligned(self, x: torch.Tensor, always: int, block_m: int
                       ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Triton only: ``forward``'s ids and weights, and the pairs aligned by expert over the E + S
-        experts in blocks of `block_m` (``align_by_expert``), routed and aligned in one kernel for
-        decode-sized batches."""
-        from replayserve.ops.moe_route_triton import route_and_align_triton
+        experts in blocks of `block_m` (``align_by_expert``). Decode-sized batches take one launch
+        for the logits, the routing and the alignment (``logits_route_align_triton``)."""
+        from replayserve.ops import moe_route_triton as route
 
-        return route_and_align_triton(self.logits(x), self.e_score_correction_bias, *self.route_args, block_m=block_m,
-                                      always=always)
+        num_tokens = x.shape[0]
+        if (self.weight.dtype == torch.float32 and 0 < num_tokens <= ROUTER_KERNEL_MAX_TOKENS
+                and num_tokens * (self.top_k + always) <= route.ALIGN_IN_ONE_PROGRAM):
+            arrivals = self._arrivals.get(x.device)
+            if arrivals is None:  # made on the first (eager, warm-up) call, outside any graph capture
+                arrivals = self._arrivals[x.device] = route.arrivals_counter(x.device)
+            return route.logits_route_align_triton(x, self.weight, arrivals, self.e_score_correction_bias,
+                                                   *self.route_args, block_m=block_m, always=always)
+        return route.route_and_align_triton(self.logits(x), self.e_score_correction_bias, *self.route_args,
+                                            block_m=block_m, always=always)
 
 
 class MoE(nn.Module):

@@ -32,7 +32,9 @@ def gemv_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, s_x, s_wn, s_wk,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 st_ptr, slot_ptr, cw_ptr, cb_ptr, conv_start, conv_dim, s_st_slot, s_st_d, s_st_k, s_cw_d, s_cw_k,
+                 HAS_BIAS: tl.constexpr, HAS_CONV: tl.constexpr, HAS_CONV_BIAS: tl.constexpr,
+                 CONV_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_U: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * s_wn
@@ -46,14 +48,68 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, s_x, s_wn, s_wk,
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+    y = y.to(y_ptr.dtype.element_ty)
+    if HAS_CONV:
+        y = _conv_epilogue(y, offs_n - conv_start, mask_n, conv_dim, st_ptr, slot_ptr, cw_ptr, cb_ptr,
+                           s_st_slot, s_st_d, s_st_k, s_cw_d, s_cw_k, HAS_CONV_BIAS, CONV_K, BLOCK_U)
+    tl.store(y_ptr + offs_n, y, mask=mask_n)
+
+
+@triton.jit
+def _conv_epilogue(y, c, mask_n, conv_dim, st_ptr, slot_ptr, cw_ptr, cb_ptr, s_st_slot, s_st_d, s_st_k, s_cw_d,
+                   s_cw_k, HAS_CONV_BIAS: tl.constexpr, CONV_K: tl.constexpr, BLOCK_U: tl.constexpr):
+    """``causal_conv1d_update_ref`` (silu) on the columns c in [0, conv_dim) of the stored output y
+    (BLOCK_N,): the taps over [state ; y] summed in fp32 in the reference's order, the state shifted
+    in place. Other columns pass through; a negative slot (padding) gives zeros and no state access."""
+    slot = tl.load(slot_ptr).to(tl.int64)
+    live = mask_n & (c >= 0) & (c < conv_dim) & (slot >= 0)
+    col = tl.arange(0, BLOCK_U)
+    st_rows = st_ptr + slot * s_st_slot + c.to(tl.int64)[:, None] * s_st_d
+    stored = tl.load(st_rows + col[None, :] * s_st_k, mask=live[:, None] & (col < CONV_K - 1)[None, :],
+                     other=0.0).to(y.dtype)
+    acc = tl.zeros(y.shape, dtype=tl.float32)
+    for j in tl.static_range(CONV_K):
+        if j < CONV_K - 1:
+            u = tl.sum(tl.where(col[None, :] == j, stored.to(tl.float32), 0.0), axis=1)  # one term: exact
+        else:
+            u = y.to(tl.float32)
+        tap = tl.load(cw_ptr + c * s_cw_d + j * s_cw_k, mask=live, other=0.0).to(tl.float32)
+        if j == 0:
+            acc = u * tap
+        else:
+            acc = acc + u * tap
+    if HAS_CONV_BIAS:
+        acc = acc + tl.load(cb_ptr + c, mask=live, other=0.0).to(tl.float32)
+    acc = acc * tl.sigmoid(acc)
+    # The new state is u[1:] = [stored[:, 1:] ; y]: each column shifted left by one.
+    shifted = tl.load(st_rows + (col + 1)[None, :] * s_st_k, mask=live[:, None] & (col + 1 < CONV_K - 1)[None, :],
+                      other=0.0).to(y.dtype)
+    new = tl.where(col[None, :] == CONV_K - 2, y[:, None], shifted)
+    tl.debug_barrier()  # every thread has read the state before any overwrites it
+    tl.store(st_rows + col[None, :] * s_st_k, new.to(st_ptr.dtype.element_ty),
+             mask=live[:, None] & (col < CONV_K - 1)[None, :])
+    in_conv = (c >= 0) & (c < conv_dim)
+    return tl.where(in_conv, tl.where(live, acc, 0.0).to(y.dtype), y)
+
+
+def gemv_tiles(k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for a K-column weight. H200 sweep of 160 tilings (bf16, in a
+    CUDA graph, weights cycled through copies larger than L2, 2026-12-06; microseconds, the 4 x 512
+    x 4-warp tiles this replaced -> these): Nemotron-3-Nano in_proj 2688x10304 16.4 -> 16.2 (best
+    15.4), qkv 2688x4608 9.2 -> 9.0 (best), LM head 2688x131072 167 -> 161 (best 159), out_proj
+    4096x2688 9.1 -> 7.9 (best). Fewer rows per program spread a short K over more SMs. K from
+    16384 (Nemotron-H-8B's down projection) keeps the tiles measured on the H100."""
+    if k >= 16384:
+        return 4, 1024, 4
+    if k >= 4096:
+        return 2, 1024, 4
+    return 2, 512, 2
 
 
 def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``gemv_ref`` in one launch; any strides. The grid depends on shapes only (CUDA-graph safe).
 
-    Tiles: 4 output rows by 512 columns of K (1024 from K = 16384), 4 warps: the best or within a
-    few percent of the best of 8 tilings on every shape in the module docstring.
+    Tiles by K (``gemv_tiles``).
     """
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"x must be (1, K), got {tuple(x.shape)}")
@@ -62,8 +118,48 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
         raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)} and bias "
                          f"{None if bias is None else tuple(bias.shape)} do not match")
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    block_n, block_k = 4, (1024 if k >= 16384 else 512)
+    block_n, block_k, warps = gemv_tiles(k)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias, y, n, k, x.stride(1), weight.stride(0), weight.stride(1),
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        *(None,) * 4, 0, 0, 0, 0, 0, 0, 0,
+        HAS_BIAS=bias is not None, HAS_CONV=False, HAS_CONV_BIAS=False, CONV_K=2, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_U=1, num_warps=warps)
+    return y
+
+
+def gemv_conv_triton(x: Tensor, weight: Tensor, bias: Tensor | None, conv_start: int, conv_state: Tensor,
+                     conv_weight: Tensor, conv_bias: Tensor | None, slot: Tensor) -> Tensor:
+    """``gemv_triton`` whose output columns [conv_start, conv_start + D) then take one decode step
+    of the depthwise causal conv with silu (``causal_conv1d_update_ref``), in the same launch: the
+    Mamba2 in_proj and conv update of a batch-1 decode step. The conv reads the projection as stored
+    (rounded to x's dtype), as the two-launch path does.
+
+    Arguments:
+        x: (1, K); weight: (N, K); bias: (N,) or None.
+        conv_start: first column of the conv's D channels (0 <= conv_start, conv_start + D <= N).
+        conv_state: (S, D, W-1) pool of conv states; row ``slot`` is shifted in place.
+        conv_weight: (D, W) depthwise taps; conv_bias: (D,) or None.
+        slot: (1,) int32/int64 state slot; negative (padding) gives zero conv columns and leaves the
+            pool untouched.
+
+    Returns:
+        (1, N) in x.dtype.
+    """
+    n = weight.shape[0]
+    dim, width = conv_weight.shape
+    if width < 2 or conv_state.shape[1:] != (dim, width - 1) or not 0 <= conv_start <= n - dim:
+        raise ValueError(f"conv weight {tuple(conv_weight.shape)}, state {tuple(conv_state.shape)} and conv_start "
+                         f"{conv_start} do not fit an output of {n} columns")
+    if slot.shape != (1,) or (conv_bias is not None and conv_bias.shape != (dim,)):
+        raise ValueError(f"slot must be (1,) and conv_bias ({dim},), got {tuple(slot.shape)} and "
+                         f"{None if conv_bias is None else tuple(conv_bias.shape)}")
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} must be (1, {weight.shape[1]})")
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    block_n, block_k, warps = gemv_tiles(weight.shape[1])
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias, y, n, weight.shape[1], x.stride(1), weight.stride(0), weight.stride(1),
+        conv_state, slot, conv_weight, conv_bias, conv_start, dim, *conv_state.stride(), *conv_weight.stride(),
+        HAS_BIAS=bias is not None, HAS_CONV=True, HAS_CONV_BIAS=conv_bias is not None, CONV_K=width,
+        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_U=triton.next_power_of_2(width - 1), num_warps=warps)
     return y

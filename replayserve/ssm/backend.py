@@ -208,11 +208,14 @@ class SSMBackend(ABC):
 
     @abstractmethod
     def decode(
-        self, layer: int, slots: torch.Tensor, xbc: torch.Tensor, dt: torch.Tensor, params: MambaParams
+        self, layer: int, slots: torch.Tensor, xbc: torch.Tensor, dt: torch.Tensor, params: MambaParams,
+        conv_done: bool = False,
     ) -> torch.Tensor:
         """Advances each row's slot by one token.
 
-        slots: (B,) int64; xbc: (B, conv_dim); dt: (B, H). Returns y (B, H, P).
+        slots: (B,) int64; xbc: (B, conv_dim); dt: (B, H). Returns y (B, H, P). With `conv_done`,
+        xbc is already the conv's output and `conv_state[layer]` already advanced (the batch-1
+        in_proj GEMV does both in its epilogue).
         """
 
     def memory_bytes(self) -> int:

@@ -57,9 +57,11 @@ class BaselineBackend(SSMBackend):
             t.index_fill_(0, slots, 0)
 
     def decode(
-        self, layer: int, slots: torch.Tensor, xbc: torch.Tensor, dt: torch.Tensor, params: MambaParams
+        self, layer: int, slots: torch.Tensor, xbc: torch.Tensor, dt: torch.Tensor, params: MambaParams,
+        conv_done: bool = False,
     ) -> torch.Tensor:
-        xbc = self._conv_update(xbc, self.conv_state[layer], params.conv_weight, params.conv_bias, slots)
+        if not conv_done:
+            xbc = self._conv_update(xbc, self.conv_state[layer], params.conv_weight, params.conv_bias, slots)
         x, b, c = self.layout.split_xbc(xbc)
         return self._update(
             self.ssm_state[layer], x, dt, params.A, b, c, D=params.D, dt_bias=params.dt_bias,

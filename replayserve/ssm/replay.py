@@ -85,9 +85,11 @@ class ReplayBackend(SSMBackend):
         self._prepare(self.ring_start, self.history, self.is_flush, slots, num_tokens, fresh, self.layout.window)
 
     def decode(
-        self, layer: int, slots: torch.Tensor, xbc: torch.Tensor, dt: torch.Tensor, params: MambaParams
+        self, layer: int, slots: torch.Tensor, xbc: torch.Tensor, dt: torch.Tensor, params: MambaParams,
+        conv_done: bool = False,
     ) -> torch.Tensor:
-        xbc = self._conv_update(xbc, self.conv_state[layer], params.conv_weight, params.conv_bias, slots)
+        if not conv_done:
+            xbc = self._conv_update(xbc, self.conv_state[layer], params.conv_weight, params.conv_bias, slots)
         x, b, c = self.layout.split_xbc(xbc)
         ones = self._ones[: slots.shape[0]]
         y = self._step(

@@ -93,3 +93,34 @@ def test_padded_fixed_shape_decode_equals_the_plain_path(mtp_dense_dir: Path, ba
 def mtp_dense_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("mtpdense"), seed=0, layers="M*-M*-", num_nextn_predict_layers=1,
                      mtp_layer_types=("full_attention", "mlp"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the one-row GEMV runs in half precision on CUDA")
+@pytest.mark.parametrize("backend", ["baseline", "replay"])
+def test_batch1_conv_in_the_gemv_equals_the_conv_kernel(graph_model_dir: Path, backend: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 decode at one row, graphed and eager: the conv update in the in_proj GEMV's epilogue
+    gives the conv kernel's tokens and log-probabilities exactly (same roundings, same tap order)."""
+    import replayserve.layers.mamba2 as mamba2
+    import replayserve.ops.gemv_triton as gemv
+
+    calls = []
+    fused_call = gemv.gemv_conv_triton
+    monkeypatch.setattr(gemv, "gemv_conv_triton", lambda *a, **k: calls.append(1) or fused_call(*a, **k))
+    prompt = {"prompt_token_ids": torch.randint(3, 500, (21,), generator=torch.Generator().manual_seed(4)).tolist()}
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=2)
+    outs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(mamba2, "FUSED_CONV_AT_ONE_ROW", fused)
+        calls.clear()
+        for eager in (True, False):
+            llm = LLM(model=str(graph_model_dir), dtype="bfloat16", device="cuda", max_num_seqs=1, max_model_len=128,
+                      ssm_backend=backend, enforce_eager=eager, num_kv_blocks=32, num_mamba_cache_slots=2)
+            outs[fused, eager] = llm.generate([prompt], params, use_tqdm=False)[0]
+            assert_pools_full(llm)
+        assert bool(calls) == fused  # the switch picks the path
+    for eager in (True, False):
+        a, b = outs[True, eager], outs[False, eager]
+        assert a.token_ids == b.token_ids
+        assert [d[t].logprob for d, t in zip(a.logprobs, a.token_ids, strict=True)] == \
+               [d[t].logprob for d, t in zip(b.logprobs, b.token_ids, strict=True)]

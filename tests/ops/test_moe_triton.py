@@ -13,16 +13,19 @@ import torch
 import torch.nn.functional as F
 
 from replayserve.layers.mlp import MoE
+from replayserve.ops import moe_triton
 from replayserve.ops.activation import relu_square_ref
 from replayserve.ops.moe import fused_moe_ref, topk_route_ref
 from replayserve.ops.moe_route_triton import (
     align_by_expert,
+    arrivals_counter,
+    logits_route_align_triton,
     max_blocks,
     route_and_align_triton,
     router_logits_triton,
     topk_route_triton,
 )
-from replayserve.ops.moe_triton import GemmConfig, default_config, fused_moe_triton
+from replayserve.ops.moe_triton import DownSumConfig, GemmConfig, default_config, fused_moe_triton
 from replayserve.tiny import tiny_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -160,8 +163,17 @@ def _random_ids(num_tokens: int, num_experts: int, top_k: int, gen: torch.Genera
     ("many tokens", 70, 4, 2, 16, 32),
 ])
 @pytest.mark.parametrize("with_add", [False, True])
+@pytest.mark.parametrize("down", ["default", "grouped", "down_sum"])
 def test_fused_moe_equals_the_reference(dtype: torch.dtype, case: str, num_tokens: int, num_experts: int, top_k: int,
-                                        width: int, inner: int, with_add: bool) -> None:
+                                        width: int, inner: int, with_add: bool, down: str,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`down`: the default choice (the one-launch down projection and sum at one token only), the
+    grouped GEMM and sum at every size, or the one-launch kernel at every size."""
+    if down == "grouped":
+        monkeypatch.setattr(moe_triton, "DOWN_SUM_MAX_TOKENS", 0)
+    down_sum = None
+    if down == "down_sum":  # in the interpreter: several column blocks and K steps on tiny sizes
+        down_sum = DownSumConfig() if DEVICE == "cuda" else DownSumConfig(block_n=4, block_k=16, num_warps=1)
     gen = torch.Generator().manual_seed(num_tokens * 7 + width)
     w_up, w_down = _weights(num_experts, inner, width, gen)
     x = torch.randn(num_tokens, width, generator=gen, dtype=torch.float64)
@@ -182,7 +194,8 @@ def test_fused_moe_equals_the_reference(dtype: torch.dtype, case: str, num_token
     if add is not None:
         want = want + dev(add).cpu().double()
     got = fused_moe_triton(dev(x), dev(w_up), dev(w_down), ids.to(torch.int32).to(DEVICE), weights.float().to(DEVICE),
-                           add=None if add is None else dev(add), config=_small_tiles(num_tokens * top_k, num_experts))
+                           add=None if add is None else dev(add), config=_small_tiles(num_tokens * top_k, num_experts),
+                           down_sum=down_sum)
     assert got.dtype == dtype and got.shape == (num_tokens, width)
     scale = want.abs().max().item()
     torch.testing.assert_close(got.cpu().double(), want, atol=TOL[dtype] * scale, rtol=TOL[dtype])
@@ -303,3 +316,34 @@ def test_moe_layer_replays_in_a_cuda_graph() -> None:
         static_x.copy_(torch.randn(8, 64, generator=torch.Generator().manual_seed(seed)).to(static_x))
         graph.replay()
         assert torch.equal(static_out, moe(static_x))
+
+
+@pytest.mark.parametrize(("num_tokens", "hidden", "num_experts", "top_k", "n_group", "topk_group", "always"), [
+    (1, 2688, 128, 6, 1, 1, 2),  # Nemotron-3-Nano at one token, shared expert folded
+    (7, 100, 16, 4, 4, 2, 0),
+    (32, 48, 12, 3, 3, 1, 1),   # the most tokens it takes
+])
+def test_logits_route_align_in_one_launch(num_tokens: int, hidden: int, num_experts: int, top_k: int, n_group: int,
+                                          topk_group: int, always: int) -> None:
+    """The last-arriving program's routing equals the logits kernel then the one-program route and
+    align on every launch: the arrivals counter is back at zero after each (three
+    launches on one counter; on CUDA programs finish in any order)."""
+    gen = torch.Generator().manual_seed(num_tokens + hidden)
+    x = torch.randn(num_tokens, 2 * hidden, generator=gen)[:, ::2].to(DEVICE)  # strided rows and columns
+    weight = (torch.randn(num_experts, hidden, generator=gen) / hidden**0.5).to(DEVICE)
+    bias = (torch.randn(num_experts, generator=gen) * 0.3).to(DEVICE)
+    args = (top_k, n_group, topk_group, True, 2.5)
+    want_ids, want_w, want_al = route_and_align_triton(router_logits_triton(x, weight), bias, *args, block_m=16,
+                                                       always=always)
+    arrivals = arrivals_counter(x.device)
+    for _ in range(3):
+        ids, weights, aligned = logits_route_align_triton(x, weight, arrivals, bias, *args, block_m=16, always=always)
+        assert arrivals.item() == 0
+        assert torch.equal(ids, want_ids)  # the logits' sums may round differently on a GPU: weights to 1e-6
+        torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=1e-6)
+        used = int(want_al[2].item())
+        assert torch.equal(aligned[2], want_al[2]) and torch.equal(aligned[0][:used], want_al[0][:used])
+        assert torch.equal(aligned[1][:used // 16], want_al[1][:used // 16])
+    with pytest.raises(ValueError, match="route_and_align_triton"):
+        logits_route_align_triton(torch.zeros(33, hidden, device=DEVICE), weight, arrivals, bias, *args, block_m=16)
+
