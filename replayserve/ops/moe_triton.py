@@ -12,11 +12,6 @@ alone (T tokens, top_k, E experts), so one MoE layer can be captured in a CUDA g
 3. ``_sum_topk_kernel`` sums each token's top_k rows in fp32 in a fixed order and adds the shared
    expert's output. Writing (T * top_k, W) and reducing costs a pass over that buffer (2 bytes an
    element in bf16) but, unlike fp32 atomics into the output, gives the same bits on every run.
-
-At one token (batch-1 decode) the down projection and the sum are one GEMV-style launch instead,
-``_down_sum_kernel``: a program owns BLOCK_N output columns and walks the token's experts in order,
-rounding each weighted expert output as the grouped GEMM stores it, so the sum's order and
-roundings are the two-launch path's.
 """
 
 from __future__ import annotations
@@ -84,51 +79,6 @@ def _sum_topk_kernel(
     tl.store(out_ptr + t * s_o_t + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _down_sum_kernel(
-    inter_ptr, w_ptr, ids_ptr, weights_ptr, add_ptr, out_ptr, width, inner,
-    s_i_p, s_i_k, s_w_e, s_w_n, s_w_k, s_add_t, s_o_t,
-    TOP_K: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """out[t, n-block] = sum over k of round(weights[t, k] * inter[t * TOP_K + k] @ w[ids[t, k]].T)."""
-    t = tl.program_id(1).to(tl.int64)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < width
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        pair = t * TOP_K + k
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        w_rows = w_ptr + expert * s_w_e + offs_n.to(tl.int64)[:, None] * s_w_n
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, inner, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < inner
-            w = tl.load(w_rows + offs_k[None, :] * s_w_k, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            a = tl.load(inter_ptr + pair * s_i_p + offs_k * s_i_k, mask=mask_k, other=0.0)
-            acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
-        y = tl.sum(acc, axis=1) * tl.load(weights_ptr + pair).to(tl.float32)
-        total += y.to(out_ptr.dtype.element_ty).to(tl.float32)
-    if HAS_ADD:  # as _sum_topk_kernel: the routed sum rounded to x's dtype, then the add
-        total = total.to(out_ptr.dtype.element_ty).to(tl.float32)
-        total += tl.load(add_ptr + t * s_add_t + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * s_o_t + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
-
-
-# Up to this many tokens the down projection and the sum are ``_down_sum_kernel`` by default: one
-# token, as each token rereads its experts' weights there.
-DOWN_SUM_MAX_TOKENS = 1
-
-
-@dataclass(frozen=True)
-class DownSumConfig:
-    """Tiles of ``_down_sum_kernel``: output columns per program, K step, warps (untuned guesses
-    from the one-row GEMV's sweep: 2 x 512 x 2 warps for K < 4096)."""
-
-    block_n: int = 2
-    block_k: int = 512
-    num_warps: int = 2
-
-
 @dataclass(frozen=True)
 class GemmConfig:
     """Tiles and launch settings of the two grouped GEMMs (powers of two; tl.dot needs 16 and up)."""
@@ -156,8 +106,7 @@ def default_config(num_pairs: int, num_experts: int) -> GemmConfig:
 
 def fused_moe_triton(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weights: Tensor,
                      add: Tensor | None = None, config: GemmConfig | None = None,
-                     aligned: tuple[Tensor, Tensor, Tensor] | None = None,
-                     down_sum: DownSumConfig | None = None) -> Tensor:
+                     aligned: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
     """``fused_moe_ref`` on the GPU, rounded to x's dtype, plus ``add`` (the shared expert).
 
     Arguments:
@@ -171,8 +120,6 @@ def fused_moe_triton(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weigh
         config: the GEMMs' tiles; by default ``default_config`` of the shapes.
         aligned: ``align_by_expert(ids, E, config.block_m)`` when the caller has it (the decode
             router makes it in its routing kernel).
-        down_sum: runs the down projection and the sum as one launch with these tiles; by
-            default that path runs up to DOWN_SUM_MAX_TOKENS tokens with ``DownSumConfig()``.
 
     Returns:
         (T, W) contiguous in x.dtype.
@@ -182,8 +129,6 @@ def fused_moe_triton(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weigh
     top_k = ids.shape[1]
     if w_up.shape[2] != width or w_down.shape != (num_experts, width, inner):
         raise ValueError(f"w_up {tuple(w_up.shape)} / w_down {tuple(w_down.shape)} do not fit x of width {width}")
-    if add is not None and (add.shape != (num_tokens, width) or add.stride(1) != 1):
-        raise ValueError(f"add must be ({num_tokens}, {width}) with unit column stride, got {tuple(add.shape)}")
     out = torch.empty(num_tokens, width, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
@@ -201,20 +146,13 @@ def fused_moe_triton(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weigh
         x, w_up, inter, weights, sorted_pairs, block_expert, num_padded, num_pairs, inner, width, top_k,
         *x.stride(), *w_up.stride(), *inter.stride(), RELU2=True, WEIGHTED=False, **common,
     )
-    if down_sum is not None or num_tokens <= DOWN_SUM_MAX_TOKENS:
-        ds = down_sum or DownSumConfig()
-        ids32 = ids.reshape(-1).to(torch.int32)
-        _down_sum_kernel[(triton.cdiv(width, ds.block_n), num_tokens)](
-            inter, w_down, ids32, weights, add if add is not None else out, out, width, inner,
-            *inter.stride(), *w_down.stride(), add.stride(0) if add is not None else 0, out.stride(0),
-            TOP_K=top_k, HAS_ADD=add is not None, BLOCK_N=ds.block_n, BLOCK_K=ds.block_k, num_warps=ds.num_warps,
-        )
-        return out
     per_pair = torch.empty(num_pairs, width, dtype=x.dtype, device=x.device)
     _grouped_gemm_kernel[(block_expert.numel(), triton.cdiv(width, cfg.block_n))](
         inter, w_down, per_pair, weights, sorted_pairs, block_expert, num_padded, num_pairs, width, inner, 1,
         *inter.stride(), *w_down.stride(), *per_pair.stride(), RELU2=False, WEIGHTED=True, **common,
     )
+    if add is not None and (add.shape != out.shape or add.stride(1) != 1):
+        raise ValueError(f"add must be ({num_tokens}, {width}) with unit column stride, got {tuple(add.shape)}")
     block_w = min(1024, triton.next_power_of_2(width))
     _sum_topk_kernel[(num_tokens, triton.cdiv(width, block_w))](
         per_pair, add if add is not None else out, out, width, per_pair.stride(0),

@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 
 from replayserve.layers.mlp import MoE
-from replayserve.ops import moe_triton
 from replayserve.ops.activation import relu_square_ref
 from replayserve.ops.moe import fused_moe_ref, topk_route_ref
 from replayserve.ops.moe_route_triton import (
@@ -25,7 +24,7 @@ from replayserve.ops.moe_route_triton import (
     router_logits_triton,
     topk_route_triton,
 )
-from replayserve.ops.moe_triton import DownSumConfig, GemmConfig, default_config, fused_moe_triton
+from replayserve.ops.moe_triton import GemmConfig, default_config, fused_moe_triton
 from replayserve.tiny import tiny_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -163,17 +162,8 @@ def _random_ids(num_tokens: int, num_experts: int, top_k: int, gen: torch.Genera
     ("many tokens", 70, 4, 2, 16, 32),
 ])
 @pytest.mark.parametrize("with_add", [False, True])
-@pytest.mark.parametrize("down", ["default", "grouped", "down_sum"])
 def test_fused_moe_equals_the_reference(dtype: torch.dtype, case: str, num_tokens: int, num_experts: int, top_k: int,
-                                        width: int, inner: int, with_add: bool, down: str,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """`down`: the default choice (the one-launch down projection and sum at one token only), the
-    grouped GEMM and sum at every size, or the one-launch kernel at every size."""
-    if down == "grouped":
-        monkeypatch.setattr(moe_triton, "DOWN_SUM_MAX_TOKENS", 0)
-    down_sum = None
-    if down == "down_sum":  # in the interpreter: several column blocks and K steps on tiny sizes
-        down_sum = DownSumConfig() if DEVICE == "cuda" else DownSumConfig(block_n=4, block_k=16, num_warps=1)
+                                        width: int, inner: int, with_add: bool) -> None:
     gen = torch.Generator().manual_seed(num_tokens * 7 + width)
     w_up, w_down = _weights(num_experts, inner, width, gen)
     x = torch.randn(num_tokens, width, generator=gen, dtype=torch.float64)
@@ -194,8 +184,7 @@ def test_fused_moe_equals_the_reference(dtype: torch.dtype, case: str, num_token
     if add is not None:
         want = want + dev(add).cpu().double()
     got = fused_moe_triton(dev(x), dev(w_up), dev(w_down), ids.to(torch.int32).to(DEVICE), weights.float().to(DEVICE),
-                           add=None if add is None else dev(add), config=_small_tiles(num_tokens * top_k, num_experts),
-                           down_sum=down_sum)
+                           add=None if add is None else dev(add), config=_small_tiles(num_tokens * top_k, num_experts))
     assert got.dtype == dtype and got.shape == (num_tokens, width)
     scale = want.abs().max().item()
     torch.testing.assert_close(got.cpu().double(), want, atol=TOL[dtype] * scale, rtol=TOL[dtype])
