@@ -6,8 +6,12 @@ products in fp32, and reaches 2.6-4.1 TB/s on the same shapes. H100, bf16, in a 
 2026-12-05 (microseconds, cuBLAS / this kernel; the study `python benchmarks/bench_gemv.py`
 repeats, not yet run itself): Nemotron-3-Nano in_proj
 2688x10304 23.0 / 21.0, out_proj 4096x2688 9.0 / 5.4, qkv 2688x4608 7.9 / 5.8, LM head 2688x131072
-248 / 227; Nemotron-H-8B in_proj 4096x18560 60.8 / 51.8, up 62.9 / 59.7, down 64.4 / 60.6. At four
-rows it lost everywhere (it rereads W per row), so `layers/linear.Linear` takes it for one row only.
+248 / 227; Nemotron-H-8B in_proj 4096x18560 60.8 / 51.8, up 62.9 / 59.7, down 64.4 / 60.6 (with
+the first tiles; ``gemv_tiles`` has the H200 sweep since). At four rows it lost everywhere (it
+rereads W per row), so `layers/linear.Linear` takes it for one row only.
+
+``gemv_conv_triton`` is the same pass with the Mamba2 conv update in its epilogue, on the conv's
+columns of the in_proj output: a batch-1 decode step's in_proj and conv in one launch.
 """
 
 from __future__ import annotations
