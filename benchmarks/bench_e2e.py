@@ -57,6 +57,7 @@ from shapes import SIZES, model_config, random_model  # noqa: E402
 from replayserve.config import EngineConfig  # noqa: E402
 from replayserve.engine.engine import Engine  # noqa: E402
 from replayserve.engine.request import SamplingParams, Status  # noqa: E402
+from replayserve.layers.mlp import MoE  # noqa: E402
 from replayserve.models.nemotron_h import NemotronHForCausalLM  # noqa: E402
 from replayserve.ssm.layout import MambaLayout  # noqa: E402
 
@@ -325,21 +326,39 @@ def prefill_row(model: NemotronHForCausalLM, args: argparse.Namespace, backend: 
     return row
 
 
-def hf_rows(model: NemotronHForCausalLM, args: argparse.Namespace) -> list[dict]:
-    """transformers' NemotronH sharing our weights: decode step times read inside `generate` by a
-    logits processor (called once per generated token, after the device has finished the step)."""
-    from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, NemotronHConfig
+def hf_twin(model: NemotronHForCausalLM):  # noqa: ANN201 - transformers' NemotronHForCausalLM
+    """transformers' NemotronH on our model's weights, sharing their memory (no copy)."""
+    from transformers import NemotronHConfig
     from transformers import NemotronHForCausalLM as HFNemotronH
 
-    device, sync = model.lm_head.weight.device, sync_fn(model.lm_head.weight.device)
-    cfg = model.config.to_hf_dict()
     with torch.device("meta"):
-        hf = HFNemotronH(NemotronHConfig.from_dict(cfg))
+        hf = HFNemotronH(NemotronHConfig.from_dict(model.config.to_hf_dict()))
     # Our names are the checkpoint's (`backbone.*`); transformers' in-memory names use `model.*`.
     state = {("model." + k[len("backbone."):] if k.startswith("backbone.") else k): v
              for k, v in model.state_dict().items()}
+    wanted = hf.state_dict().keys()
+    for i, block in enumerate(model.backbone.layers):
+        prefix = f"model.layers.{i}.mixer.experts"
+        if isinstance(block.mixer, MoE) and f"{prefix}.up_proj" in wanted:
+            # transformers stacks the routed experts in memory ((E, I, W) up, (E, W, I) down: our
+            # stacks' layout), where the checkpoint has one tensor per expert.
+            num = len(block.mixer.experts)
+            w_up, w_down = block.mixer.stacked_experts()
+            for e in range(num):
+                del state[f"{prefix}.{e}.up_proj.weight"], state[f"{prefix}.{e}.down_proj.weight"]
+            state[f"{prefix}.up_proj"], state[f"{prefix}.down_proj"] = w_up[:num], w_down[:num]
     hf.load_state_dict(state, strict=True, assign=True)
-    hf.eval()
+    return hf.eval()
+
+
+def hf_rows(model: NemotronHForCausalLM, args: argparse.Namespace) -> list[dict]:
+    """transformers' NemotronH sharing our weights: decode step times read inside `generate` by a
+    logits processor (called once per generated token, after the device has finished the step)."""
+    from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+    from transformers import NemotronHForCausalLM as HFNemotronH
+
+    device, sync = model.lm_head.weight.device, sync_fn(model.lm_head.weight.device)
+    hf = hf_twin(model)
     hf.generation_config.eos_token_id = None  # never stop early (ignore_eos)
 
     class StepClock(LogitsProcessor):

@@ -46,3 +46,21 @@ def test_bench_e2e_async_rows_overlap() -> None:
     assert [r["backend"] for r in result["decode"]] == ["baseline-async", "replay-async"]
     # Every timed step was launched before the previous one was read back.
     assert all(r["tok_s"] > 0 and r["overlapped_share"] == 1 for r in result["decode"])
+
+
+def test_hf_twin_shares_our_weights_and_matches_our_layers() -> None:
+    """transformers' model built by `--hf` on our in-memory weights shares their storage, and its MoE
+    layer (transformers stacks the routed experts in memory; our names keep one tensor each) gives
+    our layer's output. float32: transformers' grouped expert GEMM takes no float64."""
+    from shapes import model_config, random_model
+
+    from replayserve.layers.mlp import MoE
+
+    model = random_model(model_config("tiny"), torch.float32, "cpu", seed=3)
+    hf = bench_e2e.hf_twin(model)
+    assert hf.lm_head.weight.data_ptr() == model.lm_head.weight.data_ptr()
+    layer = next(i for i, b in enumerate(model.backbone.layers) if isinstance(b.mixer, MoE))
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf.model.layers[layer].mixer(x[None])[0], model.backbone.layers[layer].mixer(x),
+                                   rtol=1e-5, atol=1e-5)
