@@ -7,8 +7,10 @@ products in fp32, and reaches 2.6-4.1 TB/s on the same shapes. H100, bf16, in a 
 repeats, not yet run itself): Nemotron-3-Nano in_proj
 2688x10304 23.0 / 21.0, out_proj 4096x2688 9.0 / 5.4, qkv 2688x4608 7.9 / 5.8, LM head 2688x131072
 248 / 227; Nemotron-H-8B in_proj 4096x18560 60.8 / 51.8, up 62.9 / 59.7, down 64.4 / 60.6 (with
-the first tiles; ``gemv_tiles`` has the H200 sweep since). At four rows it lost everywhere (it
-rereads W per row), so `layers/linear.Linear` takes it for one row only.
+the first tiles, and one weight called again and again: weights that fit in L2, as out_proj's 22
+MB, were read from it, hence rates above the copy bandwidth; `bench_gemv.py` now cycles copies
+beyond L2, and ``gemv_tiles`` has the H200 sweep). At four rows it lost everywhere (it rereads W
+per row), so `layers/linear.Linear` takes it for one row only.
 
 ``gemv_conv_triton`` is the same pass with the Mamba2 conv update in its epilogue, on the conv's
 columns of the in_proj output: a batch-1 decode step's in_proj and conv in one launch.
@@ -97,12 +99,13 @@ def _conv_epilogue(y, c, mask_n, conv_dim, st_ptr, slot_ptr, cw_ptr, cb_ptr, s_s
 
 
 def gemv_tiles(k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for a K-column weight. H200 sweep of 160 tilings (bf16, in a
-    CUDA graph, weights cycled through copies larger than L2, 2026-12-06; microseconds, the 4 x 512
-    x 4-warp tiles this replaced -> these): Nemotron-3-Nano in_proj 2688x10304 16.4 -> 16.2 (best
-    15.4), qkv 2688x4608 9.2 -> 9.0 (best), LM head 2688x131072 167 -> 161 (best 159), out_proj
-    4096x2688 9.1 -> 7.9 (best). Fewer rows per program spread a short K over more SMs. K from
-    16384 (Nemotron-H-8B's down projection) keeps the tiles measured on the H100."""
+    """(BLOCK_N, BLOCK_K, num_warps) for a K-column weight, from an H200 sweep of 158 tilings
+    (`python benchmarks/bench_gemv.py --sweep`: bf16, in a CUDA graph, weights cycled through copies
+    larger than L2; 2026-12-06). Microseconds, the 4 x 512 x 4-warp tiles this replaced -> these
+    (best of the sweep): Nemotron-3-Nano in_proj 2688x10304 16.4 -> 16.2 (15.4), qkv 2688x4608
+    9.2 -> 9.1 (9.0), LM head 2688x131072 167 -> 161 (159), out_proj 4096x2688 9.1 -> 8.0 (7.9).
+    Fewer rows per program spread a short K over more SMs. K from 16384 (Nemotron-H-8B's down
+    projection) keeps the tiles measured on the H100."""
     if k >= 16384:
         return 4, 1024, 4
     if k >= 4096:
