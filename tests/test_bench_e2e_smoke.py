@@ -48,7 +48,7 @@ def test_bench_e2e_async_rows_overlap() -> None:
     assert all(r["tok_s"] > 0 and r["overlapped_share"] == 1 for r in result["decode"])
 
 
-def test_hf_twin_shares_our_weights_and_matches_our_layers() -> None:
+def test_hf_twin_shares_our_weights_and_its_moe_layer_matches_ours() -> None:
     """transformers' model built by `--hf` on our in-memory weights shares their storage, and its MoE
     layer (transformers stacks the routed experts in memory; our names keep one tensor each) gives
     our layer's output. float32: transformers' grouped expert GEMM takes no float64."""

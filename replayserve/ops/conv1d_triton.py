@@ -66,21 +66,29 @@ def _conv1d_step_kernel(
     x_row = x_ptr + row * s_x_b + offs * s_x_d
     w_row = w_ptr + offs * s_w_d
     for t in tl.static_range(T):
-        # acc = u[t] w_0, then + u[t + k] w_k: the references' order (bias after, then the activation).
-        acc = _input(st_row, x_row, t, s_st_k, s_x_t, mask, K).to(tl.float32) * tl.load(
-            w_row, mask=mask, other=0.0).to(tl.float32)
-        for k in tl.static_range(1, K):
-            u = _input(st_row, x_row, t + k, s_st_k, s_x_t, mask, K).to(tl.float32)
-            acc = acc + u * tl.load(w_row + k * s_w_k, mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            acc = acc + tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if SILU:
-            acc = acc * tl.sigmoid(acc)
+        acc = _conv_output(st_row, x_row, w_row, b_ptr, offs, t, s_st_k, s_x_t, s_w_k, mask, K, HAS_BIAS, SILU)
         tl.store(y_row + t * s_y_t, acc.to(y_ptr.dtype.element_ty), mask=mask)
     if WRITE_WINDOW:  # u as one (channels, K - 1 + T) tile: coalesced, unlike column by column
         _store_window(st_row, x_row, win_row, 0, s_st_k, s_x_t, s_win_k, mask, K, K - 1 + T, BLOCK_U)
     if WRITE_STATE:  # the state after the T tokens is u[T : T + K - 1], written over the state in place
         _store_window(st_row, x_row, st_row, T, s_st_k, s_x_t, s_st_k, mask, K, K - 1, BLOCK_U)
+
+
+@triton.jit
+def _conv_output(st_row, x_row, w_row, b_ptr, offs, t: tl.constexpr, s_st_k, s_x_t, s_w_k, mask, K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    """The fp32 output of token t for this program's channels: acc = u[t] w_0, then + u[t + k] w_k
+    (the references' order), the bias (b_ptr + offs) after, then the activation."""
+    acc = _input(st_row, x_row, t, s_st_k, s_x_t, mask, K).to(tl.float32) * tl.load(
+        w_row, mask=mask, other=0.0).to(tl.float32)
+    for k in tl.static_range(1, K):
+        u = _input(st_row, x_row, t + k, s_st_k, s_x_t, mask, K).to(tl.float32)
+        acc = acc + u * tl.load(w_row + k * s_w_k, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        acc = acc + tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    return acc
 
 
 @triton.jit

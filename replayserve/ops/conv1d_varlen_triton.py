@@ -71,14 +71,16 @@ def _conv_state_varlen_kernel(
     r = tl.program_id(1)
     if ROWS:
         s = tl.load(row_seq_ptr + r).to(tl.int64)
+    else:
+        s = r.to(tl.int64)
+    first = tl.load(cu_ptr + s).to(tl.int64)
+    slot = tl.load(slots_ptr + s).to(tl.int64)
+    if ROWS:
         end = tl.load(row_end_ptr + r).to(tl.int64)
         dst = tl.load(row_dst_ptr + r).to(tl.int64)
     else:
-        s = r.to(tl.int64)
         end = tl.load(cu_ptr + s + 1).to(tl.int64)
-        dst = tl.load(slots_ptr + s).to(tl.int64)
-    first = tl.load(cu_ptr + s).to(tl.int64)
-    slot = tl.load(slots_ptr + s).to(tl.int64)
+        dst = slot
     col = tl.arange(0, BLOCK_K)
     mask_d, mask_col = offs_d < dim, col < K - 1
     src = end - (K - 1) + col  # the packed input that lands in column col

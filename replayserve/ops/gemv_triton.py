@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from replayserve.ops.conv1d_triton import _conv_output, _store_window
 from replayserve.ops.dtypes import compute_dtype
 
 
@@ -56,46 +57,30 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, s_x, s_wn, s_wk,
         y += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     y = y.to(y_ptr.dtype.element_ty)
     if HAS_CONV:
-        y = _conv_epilogue(y, offs_n - conv_start, mask_n, conv_dim, st_ptr, slot_ptr, cw_ptr, cb_ptr,
-                           s_st_slot, s_st_d, s_st_k, s_cw_d, s_cw_k, HAS_CONV_BIAS, CONV_K, BLOCK_U)
-    tl.store(y_ptr + offs_n, y, mask=mask_n)
+        _conv_epilogue(y, y_ptr + offs_n, offs_n - conv_start, mask_n, conv_dim, st_ptr, slot_ptr, cw_ptr, cb_ptr,
+                       s_st_slot, s_st_d, s_st_k, s_cw_d, s_cw_k, HAS_CONV_BIAS, CONV_K, BLOCK_U)
+    else:
+        tl.store(y_ptr + offs_n, y, mask=mask_n)
 
 
 @triton.jit
-def _conv_epilogue(y, c, mask_n, conv_dim, st_ptr, slot_ptr, cw_ptr, cb_ptr, s_st_slot, s_st_d, s_st_k, s_cw_d,
-                   s_cw_k, HAS_CONV_BIAS: tl.constexpr, CONV_K: tl.constexpr, BLOCK_U: tl.constexpr):
-    """``causal_conv1d_update_ref`` (silu) on the columns c in [0, conv_dim) of the stored output y
-    (BLOCK_N,): the taps over [state ; y] summed in fp32 in the reference's order, the state shifted
-    in place. Other columns pass through; a negative slot (padding) gives zeros and no state access."""
+def _conv_epilogue(y, y_ptrs, c, mask_n, conv_dim, st_ptr, slot_ptr, cw_ptr, cb_ptr, s_st_slot, s_st_d, s_st_k,
+                   s_cw_d, s_cw_k, HAS_CONV_BIAS: tl.constexpr, CONV_K: tl.constexpr, BLOCK_U: tl.constexpr):
+    """Stores y (BLOCK_N,) at y_ptrs, then runs the conv decode step (``conv1d_triton``'s taps and
+    state shift, silu) on its columns c in [0, conv_dim), reading the projection back as stored,
+    and stores the conv's output over them. A negative slot (padding) gives zero conv columns and
+    leaves the state alone."""
     slot = tl.load(slot_ptr).to(tl.int64)
-    live = mask_n & (c >= 0) & (c < conv_dim) & (slot >= 0)
-    col = tl.arange(0, BLOCK_U)
-    st_rows = st_ptr + slot * s_st_slot + c.to(tl.int64)[:, None] * s_st_d
-    stored = tl.load(st_rows + col[None, :] * s_st_k, mask=live[:, None] & (col < CONV_K - 1)[None, :],
-                     other=0.0).to(y.dtype)
-    acc = tl.zeros(y.shape, dtype=tl.float32)
-    for j in tl.static_range(CONV_K):
-        if j < CONV_K - 1:
-            u = tl.sum(tl.where(col[None, :] == j, stored.to(tl.float32), 0.0), axis=1)  # one term: exact
-        else:
-            u = y.to(tl.float32)
-        tap = tl.load(cw_ptr + c * s_cw_d + j * s_cw_k, mask=live, other=0.0).to(tl.float32)
-        if j == 0:
-            acc = u * tap
-        else:
-            acc = acc + u * tap
-    if HAS_CONV_BIAS:
-        acc = acc + tl.load(cb_ptr + c, mask=live, other=0.0).to(tl.float32)
-    acc = acc * tl.sigmoid(acc)
-    # The new state is u[1:] = [stored[:, 1:] ; y]: each column shifted left by one.
-    shifted = tl.load(st_rows + (col + 1)[None, :] * s_st_k, mask=live[:, None] & (col + 1 < CONV_K - 1)[None, :],
-                      other=0.0).to(y.dtype)
-    new = tl.where(col[None, :] == CONV_K - 2, y[:, None], shifted)
-    tl.debug_barrier()  # every thread has read the state before any overwrites it
-    tl.store(st_rows + col[None, :] * s_st_k, new.to(st_ptr.dtype.element_ty),
-             mask=live[:, None] & (col < CONV_K - 1)[None, :])
-    in_conv = (c >= 0) & (c < conv_dim)
-    return tl.where(in_conv, tl.where(live, acc, 0.0).to(y.dtype), y)
+    in_conv = mask_n & (c >= 0) & (c < conv_dim)
+    live = in_conv & (slot >= 0)
+    tl.store(y_ptrs, y, mask=mask_n)
+    tl.debug_barrier()  # the projection is stored before any thread reads it back as the conv's input
+    st_row = st_ptr + slot * s_st_slot + c.to(tl.int64) * s_st_d
+    acc = _conv_output(st_row, y_ptrs, cw_ptr + c * s_cw_d, cb_ptr, c, 0, s_st_k, 0, s_cw_k, live, CONV_K,
+                       HAS_CONV_BIAS, True)
+    # The new state is u[1 : K]: read before its barrier, written after; y is read before it too.
+    _store_window(st_row, y_ptrs, st_row, 1, s_st_k, 0, s_st_k, live, CONV_K, CONV_K - 1, BLOCK_U)
+    tl.store(y_ptrs, tl.where(live, acc, 0.0).to(y.dtype), mask=in_conv)
 
 
 def gemv_tiles(k: int) -> tuple[int, int, int]:

@@ -36,6 +36,14 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, hidden, num_experts, s_x_t, s_x
                           BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
     t = tl.program_id(1).to(tl.int64)
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    logits = _expert_logits(x_ptr, w_ptr, t, e, hidden, num_experts, s_x_t, s_x_k, s_w_e, s_w_k, BLOCK_E, BLOCK_H)
+    tl.store(out_ptr + t * s_o_t + e, logits, mask=e < num_experts)
+
+
+@triton.jit
+def _expert_logits(x_ptr, w_ptr, t, e, hidden, num_experts, s_x_t, s_x_k, s_w_e, s_w_k,
+                   BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+    """(BLOCK_E,) fp32 logits of token t for experts e: x cast in flight, BLOCK_H columns a step."""
     acc = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_H):
         k = k0 + tl.arange(0, BLOCK_H)
@@ -43,7 +51,7 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, hidden, num_experts, s_x_t, s_x
         w = tl.load(w_ptr + e[:, None] * s_w_e + k[None, :] * s_w_k,
                     mask=(e[:, None] < num_experts) & (k[None, :] < hidden), other=0.0)
         acc += w * x[None, :]
-    tl.store(out_ptr + t * s_o_t + e, tl.sum(acc, axis=1), mask=e < num_experts)
+    return tl.sum(acc, axis=1)
 
 
 @triton.jit
@@ -188,14 +196,10 @@ def _logits_route_align_kernel(
 ):
     """Program e writes every token's logit of expert e; the last program to arrive (an atomic
     count, reset by it for the next launch) routes and aligns them all, as _route_align_kernel."""
-    e = tl.program_id(0)
+    e = tl.program_id(0) + tl.arange(0, 1)
     for t in range(num_tokens):
-        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for k0 in range(0, hidden, BLOCK_H):
-            k = k0 + tl.arange(0, BLOCK_H)
-            xk = tl.load(x_ptr + t * s_x_t + k * s_x_k, mask=k < hidden, other=0.0).to(tl.float32)
-            acc += tl.load(w_ptr + e * s_w_e + k * s_w_k, mask=k < hidden, other=0.0) * xk
-        tl.store(logits_ptr + t * num_experts + e, tl.sum(acc, axis=0))
+        logits = _expert_logits(x_ptr, w_ptr, t, e, hidden, num_experts, s_x_t, s_x_k, s_w_e, s_w_k, 1, BLOCK_H)
+        tl.store(logits_ptr + t * num_experts + e, logits)
     tl.debug_barrier()  # all of this program's stores precede its arrival (the atomic releases them)
     if tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu") == num_experts - 1:
         tl.store(arrivals_ptr, 0)
