@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed windows (and prefill runs); medians reported")
     p.add_argument("--profile-steps", type=int, default=16,
                    help="decode steps under torch.profiler (CUDA); the default covers a ReplaySSM flush cycle")
-    p.add_argument("--window", type=int, default=16, help="replay_window of the replay backend")
+    p.add_argument("--window", type=int, help="replay_window of the replay backend (default: the engine's)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--budget", type=int, default=16384, help="max_num_batched_tokens")
     p.add_argument("--prefill-prompts", type=int, help="default 16 (CPU 4)")
@@ -154,7 +154,7 @@ def ssm_backend(backend: str) -> str:
 def resident_bytes(model: NemotronHForCausalLM, config: EngineConfig) -> int:
     """Device memory an engine allocates beside the weights: Mamba slots and the KV cache."""
     m, dtype = config.model, model.backbone.embeddings.weight.dtype
-    window = config.replay_window if config.ssm_backend == "replay" else 0
+    window = config.resolved_replay_window if config.ssm_backend == "replay" else 0
     layout = MambaLayout.from_config(m, config.max_num_seqs, dtype, window=window)
     shapes = [(layout.conv_state_shape, layout.act_dtype), (layout.ssm_state_shape, layout.state_dtype)]
     if window:
@@ -258,7 +258,7 @@ def decode_row(model: NemotronHForCausalLM, args: argparse.Namespace, backend: s
         if device.type == "cuda":  # the weights alone, unless an engine leaks
             row["allocated_gb_after"] = torch.cuda.memory_allocated(device) / GiB
     wall = statistics.median(walls)
-    ops = decode_ops(model, ssm_backend(backend), args.window, cached)
+    ops = decode_ops(model, ssm_backend(backend), config.resolved_replay_window, cached)
     floor = floors(ops, rates)
     row.update({"tok_s": batch * args.steps / wall, "step_ms": 1e3 * wall / args.steps, "walls_s": walls,
                 "mean_context": statistics.mean(cached) + 1, "gb_per_step": sum(op.bytes for op in ops) / 1e9,

@@ -9,6 +9,7 @@ against our float64 reference on a small batch.
 
     python benchmarks/bench_ssm_decode.py [--batch 1 8 32 128 256 512] [--window 16] [--out r.json]
         [--candidate scratch/variant.py ...]   # kernels under development, checked then timed alongside
+        [--flush-shares]                       # the step with no, all and 1/W of the rows flushing
 """
 
 from __future__ import annotations
@@ -263,6 +264,29 @@ def sweep(batch: int, window: int, gen: torch.Generator) -> None:
     ssu_triton._launch_config, rtk._step_config = ssu_default, step_default
 
 
+def flush_shares(batch: int, window: int, gen: torch.Generator) -> None:
+    """The step kernel alone (scores + step, no cursor kernels) by the share of rows that flush: none
+    (history W/2), all (history W) and the steady state (history 1..W over the rows, 1/W flushing).
+    Cursors are not committed, so every replay of the graph runs the same case."""
+    p, inp, pool = params(gen), inputs(batch, 1, gen), replay_pool(batch, window, gen)
+    ones = torch.ones(batch, dtype=torch.int32, device="cuda")
+    spread = (torch.arange(batch, device="cuda") % window + 1).to(torch.int32)
+    cases = {f"none (history {window // 2})": torch.full_like(spread, window // 2),
+             f"all (history {window})": torch.full_like(spread, window), f"1/{window} (history 1..{window})": spread}
+    print(f"\nstep kernel by flushing rows, batch {batch}, W={window} (us, CUDA graph)")
+    for name, history in cases.items():
+        pool["history"], pool["is_flush"] = history, history + 1 > window  # the prepare's rule at T = 1
+        q = pool
+
+        def step(q: dict[str, torch.Tensor] = q) -> None:
+            rtk.replay_step_triton(q["state"], q["x_ring"], q["dt_ring"], q["B_ring"], q["ring_start"], q["history"],
+                                   q["is_flush"], q["slots"], ones, inp["x"], inp["dt"], p["A"], inp["B"], inp["C"],
+                                   p["D"], p["dt_bias"])
+
+        print(f"  {name}: {time_cycle([step], graph=True):.1f}")
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128, 256, 512])
@@ -271,6 +295,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=1,
                         help="replay: Mamba layers sharing one prepare + commit per step (times are per layer)")
     parser.add_argument("--sweep", type=int, metavar="BATCH", help="also time launch configs at this batch")
+    parser.add_argument("--flush-shares", action="store_true",
+                        help="also time the replay step with no, all and 1/W of the rows flushing at each batch")
     parser.add_argument("--candidate", type=Path, nargs="+", default=[],
                         help="Python files with the replay_*_triton API: timed beside the committed kernels")
     parser.add_argument("--out", type=Path, help="write the records as JSON here")
@@ -307,6 +333,9 @@ def main() -> None:
         vs_mamba = f"{r['speedup_vs_mamba']:.2f}x" if "speedup_vs_mamba" in r else "-"
         print(f"| {r['batch']} | {r['variant']} | {r['us']:.1f} | {r['mb']:.1f} | {r['gbs']:.0f} | "
               f"{r['copy_frac']:.0%} | {r['speedup_vs_ours']:.2f}x | {vs_mamba} |")
+    if args.flush_shares:
+        for batch in args.batch:
+            flush_shares(batch, args.window, gen)
     if args.sweep:
         sweep(args.sweep, args.window, gen)
     if args.out:

@@ -41,7 +41,7 @@ def cache_bytes_for(config: EngineConfig, dtype: torch.dtype, num_kv_blocks: int
     kv = 2 * m.num_attention_layers * _nbytes(kv_shape, dtype)
     replay = config.ssm_backend == "replay"
     layout = MambaLayout.from_config(m, config.max_num_seqs + num_cached_states + 1, dtype,
-                                     window=config.replay_window if replay else 0,
+                                     window=config.resolved_replay_window if replay else 0,
                                      tokens_per_step=config.tokens_per_step)
     act, state = layout.act_dtype, layout.state_dtype
     per_layer = _nbytes(layout.conv_state_shape, act) + _nbytes(layout.ssm_state_shape, state)

@@ -46,7 +46,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "states not given fill what the weights and activations leave (default %(default)s)")
     g.add_argument("--ssm-backend", default="baseline", choices=SSM_BACKENDS,
                    help="Mamba decode: baseline (state every step) or replay (ReplaySSM) (default %(default)s)")
-    g.add_argument("--replay-window", type=int, default=16, help="ReplaySSM window (default %(default)s)")
+    g.add_argument("--replay-window", type=int, default=None,
+                   help="ReplaySSM window (default 32, or 16 with --speculative)")
     g.add_argument("--enable-prefix-caching", action="store_true", help="reuse cached prompt prefixes")
     g.add_argument("--mamba-cache-mode", choices=MAMBA_CACHE_MODES,
                    help="which Mamba states prefix caching keeps (default: align for Mamba models)")

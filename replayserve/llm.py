@@ -38,7 +38,8 @@ class LLM:
     Nemotron-H with an MTP layer trained on the Python standard library, shipped with the package).
     dtype: "auto" (bfloat16 on CUDA, float32 on CPU) or one of float32/float64/bfloat16/float16.
     ssm_backend: "baseline" (state read and written every decode step) or "replay" (ReplaySSM:
-    checkpoint + rings of the last `replay_window` tokens' inputs, state written on flush).
+    checkpoint + rings of the last `replay_window` tokens' inputs, state written on flush; the
+    window defaults to 32, or 16 with speculative decoding).
     enable_prefix_caching: reuse the KV blocks and Mamba states of cached prompt prefixes.
     mamba_cache_mode: which Mamba states are kept for prefix hits: "none" (none, so a hybrid
     model never hits), "align" (where a step ends on a block boundary; prefill chunks end on
@@ -75,7 +76,7 @@ class LLM:
         num_kv_blocks: int | None = None,
         gpu_memory_utilization: float = 0.9,
         ssm_backend: str = "baseline",
-        replay_window: int = 16,
+        replay_window: int | None = None,
         enable_prefix_caching: bool = False,
         mamba_cache_mode: str | None = None,
         num_mamba_cache_slots: int | None = None,

@@ -41,7 +41,7 @@ def make_ssm_backend(config: EngineConfig, dtype: torch.dtype, device: torch.dev
     num_slots = config.max_num_seqs + config.resolved_num_mamba_cache_slots + 1
     tokens = config.tokens_per_step
     if config.ssm_backend == "replay":
-        layout = MambaLayout.from_config(model, num_slots, dtype, window=config.replay_window,
+        layout = MambaLayout.from_config(model, num_slots, dtype, window=config.resolved_replay_window,
                                          tokens_per_step=tokens)
         return ReplayBackend(layout, device)
     return BaselineBackend(MambaLayout.from_config(model, num_slots, dtype, tokens_per_step=tokens), device)

@@ -25,8 +25,8 @@ def baseline(tiny_model_dir: Path) -> list:
     return llm.generate(_prompts(llm.config.model.vocab_size), params, use_tqdm=False)
 
 
-@pytest.mark.parametrize("window", [1, 5, 16])
-def test_replay_matches_baseline_over_200_tokens(tiny_model_dir: Path, baseline: list, window: int) -> None:
+@pytest.mark.parametrize("window", [1, 5, 16, None])
+def test_replay_matches_baseline_over_200_tokens(tiny_model_dir: Path, baseline: list, window: int | None) -> None:
     # A 12-token budget chunks the prefills; 160 blocks of 4 cannot hold 4 requests of ~230
     # tokens, so requests are preempted and readmitted into fresh slots mid-decode.
     llm = LLM(
@@ -43,7 +43,23 @@ def test_replay_matches_baseline_over_200_tokens(tiny_model_dir: Path, baseline:
             assert abs(next(iter(a.values())).logprob - next(iter(b.values())).logprob) < 1e-9
     assert_pools_full(llm)
     ssm = llm.engine.runner.ssm
-    assert int(ssm.history.max()) <= window
+    assert ssm.layout.window == (window or 32)
+    assert int(ssm.history.max()) <= ssm.layout.window
+
+
+@pytest.mark.parametrize(("kwargs", "window"), [
+    ({}, 32),
+    ({"speculative": {"method": "ngram", "num_speculative_tokens": 3}}, 16),
+    ({"speculative": {"method": "ngram", "num_speculative_tokens": 3}, "replay_window": 8}, 8),
+    ({"replay_window": 7}, 7),
+])
+def test_default_window_is_32_for_plain_decode_and_16_with_speculation(tiny_model_dir: Path, kwargs: dict,
+                                                                       window: int) -> None:
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", device="cpu", max_num_seqs=2, max_model_len=64,
+              ssm_backend="replay", **kwargs)
+    layout = llm.engine.runner.ssm.layout
+    assert (llm.config.resolved_replay_window, layout.window) == (window, window)
+    assert layout.ring_len == window + llm.config.tokens_per_step
 
 
 @pytest.mark.parametrize(
