@@ -201,7 +201,8 @@ def main() -> None:
     parser.add_argument("--acceptance", type=float, nargs="+", default=[0.6, 0.9])
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--window", type=int, default=16)
+    parser.add_argument("--window", type=int,
+                        help="replay_window (default: the engine's, 32 without and 16 with speculation)")
     parser.add_argument("--mtp-window", type=int, nargs="+", default=[256],
                         help="--model: the MTP attention's window of recorded positions; a row for each")
     parser.add_argument("--out", type=Path)
