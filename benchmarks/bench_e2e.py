@@ -79,8 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=16, help="decode steps per timed window")
     p.add_argument("--warmup", type=int, default=4, help="decode steps before timing")
     p.add_argument("--repeats", type=int, default=3, help="timed windows (and prefill runs); medians reported")
-    p.add_argument("--profile-steps", type=int, default=16,
-                   help="decode steps under torch.profiler (CUDA); the default covers a ReplaySSM flush cycle")
+    p.add_argument("--profile-steps", type=int, default=32,
+                   help="decode steps under torch.profiler (CUDA); the default covers a ReplaySSM flush cycle "
+                        "of the default window (32)")
     p.add_argument("--window", type=int, help="replay_window of the replay backend (default: the engine's)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--budget", type=int, default=16384, help="max_num_batched_tokens")

@@ -276,9 +276,8 @@ def flush_shares(batch: int, window: int, gen: torch.Generator) -> None:
     print(f"\nstep kernel by flushing rows, batch {batch}, W={window} (us, CUDA graph)")
     for name, history in cases.items():
         pool["history"], pool["is_flush"] = history, history + 1 > window  # the prepare's rule at T = 1
-        q = pool
 
-        def step(q: dict[str, torch.Tensor] = q) -> None:
+        def step(q: dict[str, torch.Tensor] = pool) -> None:  # time_cycle captures this case's tensors
             rtk.replay_step_triton(q["state"], q["x_ring"], q["dt_ring"], q["B_ring"], q["ring_start"], q["history"],
                                    q["is_flush"], q["slots"], ones, inp["x"], inp["dt"], p["A"], inp["B"], inp["C"],
                                    p["D"], p["dt_bias"])
