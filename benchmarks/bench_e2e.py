@@ -178,6 +178,16 @@ def fits(model: NemotronHForCausalLM, config: EngineConfig, device: torch.device
     return None if need < 0.95 * free else f"needs ~{need / GiB:.1f} GiB, {free / GiB:.1f} GiB free"
 
 
+def gpu_ms_by_step(kernels: list, marker: str, per_step: int) -> list[float]:
+    """Kernel ms of each whole step in a profile: a step starts at every `per_step`-th launch of `marker`
+    (the SSM step kernel, one per Mamba layer), so ReplaySSM's flush steps show as their own entries.
+    kernels: profiler events with `.name` and `.time_range`, in any order."""
+    ordered = sorted(kernels, key=lambda e: e.time_range.start)
+    starts = [i for i, e in enumerate(ordered) if e.name == marker][::per_step]
+    spans = zip(starts[:-1], starts[1:], strict=True)  # the last step has no next start: left out
+    return [sum(e.time_range.elapsed_us() for e in ordered[a:b]) / 1e3 for a, b in spans]
+
+
 def profile_steps(engine: Engine, steps: int, sync: Callable[[], None]) -> dict:
     """Per-step GPU time and CUDA API calls of `steps` decode steps under torch.profiler."""
     from torch.autograd import DeviceType
@@ -204,7 +214,9 @@ def profile_steps(engine: Engine, steps: int, sync: Callable[[], None]) -> dict:
     for e in kernels:
         by_kernel[e.name[:90]] += e.time_range.elapsed_us() / 1e3 / steps
         count_by_kernel[e.name[:90]] += 1 / steps
-    return {"top_kernels_ms": dict(by_kernel.most_common(40)),
+    marker = "_replay_step_kernel" if engine.config.ssm_backend == "replay" else "_ssu_kernel"
+    return {"gpu_ms_by_step": gpu_ms_by_step(kernels, marker, engine.config.model.num_mamba_layers),
+            "top_kernels_ms": dict(by_kernel.most_common(40)),
             "top_kernel_counts": dict(count_by_kernel.most_common(40)),
             "profiled_step_ms": 1e3 * wall / steps, "gpu_ms_per_step": 1e3 * gpu_s / steps, "gpu_busy": gpu_s / wall,
             "kernels_per_step": len(kernels) / steps,

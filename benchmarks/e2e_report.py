@@ -37,6 +37,10 @@ def print_tables(result: dict) -> None:
         if r["backend"].endswith("-async") and "overlapped_share" in r:
             print(f"{r['backend']} batch {r['batch']}: {r['overlapped_share']:.0%} of the timed steps overlapped")
     for r in result["decode"]:
+        if r.get("gpu_ms_by_step"):  # ReplaySSM's flush steps stand out here
+            by_step = " ".join(f"{ms:.2f}" for ms in r["gpu_ms_by_step"])
+            print(f"GPU ms by step, {r['backend']} batch {r['batch']}: {by_step}")
+    for r in result["decode"]:
         if r.get("top_kernels_ms"):
             top = ", ".join(f"{name} {ms:.3f}" for name, ms in r["top_kernels_ms"].items())
             print(f"top kernels, {r['backend']} batch {r['batch']} (ms/step): {top}")

@@ -64,3 +64,22 @@ def test_hf_twin_shares_our_weights_and_its_moe_layer_matches_ours() -> None:
     with torch.no_grad():
         torch.testing.assert_close(hf.model.layers[layer].mixer(x[None])[0], model.backbone.layers[layer].mixer(x),
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_gpu_ms_by_step_splits_a_profile_at_every_layers_first_marker() -> None:
+    """Three steps of two layers (mul = the SSM step kernel, add = the rest), profiled on the CPU:
+    whole steps are the spans between a step's first marker and the next step's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.ones(256, 256)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            for _ in range(2):
+                torch.mul(x, x)
+                torch.add(x, x)
+    events = sorted((e for e in prof.events() if e.name in ("aten::mul", "aten::add")),
+                    key=lambda e: e.time_range.start)
+    assert [e.name for e in events] == ["aten::mul", "aten::add"] * 6
+    by_step = bench_e2e.gpu_ms_by_step(list(reversed(events)), "aten::mul", per_step=2)
+    want = [sum(e.time_range.elapsed_us() for e in events[a:a + 4]) / 1e3 for a in (0, 4)]  # the last step has no end
+    assert by_step == want
