@@ -270,7 +270,7 @@ def flush_shares(batch: int, window: int, gen: torch.Generator) -> None:
     Cursors are not committed, so every replay of the graph runs the same case."""
     p, inp, pool = params(gen), inputs(batch, 1, gen), replay_pool(batch, window, gen)
     ones = torch.ones(batch, dtype=torch.int32, device="cuda")
-    spread = (torch.arange(batch, device="cuda") % window + 1).to(torch.int32)
+    spread = pool["history"]  # replay_pool's steady state: 1..W over the slots
     cases = {f"none (history {window // 2})": torch.full_like(spread, window // 2),
              f"all (history {window})": torch.full_like(spread, window), f"1/{window} (history 1..{window})": spread}
     print(f"\nstep kernel by flushing rows, batch {batch}, W={window} (us, CUDA graph)")
