@@ -2,7 +2,9 @@
 
 Decode: for each batch size and SSM backend, `batch` prompts of `--prompt-len` tokens are
 prefilled, `--warmup` decode steps run, then `--repeats` windows of `--steps` decode steps are
-timed (each window ends with a device sync; medians reported), then `--profile-steps` more run
+timed (each window ends with a device sync; medians reported; `--steps` must be a multiple of the
+ReplaySSM window, so every window holds whole flush cycles: shorter windows can miss the rare
+flush steps and overstate ReplaySSM), then `--profile-steps` more run
 under `torch.profiler` (CUDA only) for the GPU columns: kernel time per step and its share of the
 profiled steps' wall time ("profiled") and of the timed steps' median ("timed": without the
 profiler's host overhead), blocking calls per step (cudaStreamSynchronize, cudaEventSynchronize,
@@ -76,7 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="SSM backends; '-eager' runs decode without CUDA graphs, '-async' with async scheduling "
                         "(compare in one run)")
     p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--steps", type=int, default=16, help="decode steps per timed window")
+    p.add_argument("--steps", type=int, default=32,
+                   help="decode steps per timed window; for ReplaySSM a multiple of its window, so every timed "
+                        "window holds each row's flush once (the benchmark's rows flush on the same steps)")
     p.add_argument("--warmup", type=int, default=4, help="decode steps before timing")
     p.add_argument("--repeats", type=int, default=3, help="timed windows (and prefill runs); medians reported")
     p.add_argument("--profile-steps", type=int, default=32,
@@ -240,6 +244,9 @@ def decode_row(model: NemotronHForCausalLM, args: argparse.Namespace, backend: s
     budget = max(args.budget, 2 * batch)  # as engine_config sets it
     ahead = math.ceil(batch * args.prompt_len / (budget - batch)) + 2
     config = engine_config(model, args, backend, batch, args.prompt_len + total + ahead + 8)
+    window = config.resolved_replay_window if config.ssm_backend == "replay" else 0
+    if window and args.steps % window:  # a window without the flush steps would time ReplaySSM too fast
+        raise SystemExit(f"--steps {args.steps} must be a multiple of the ReplaySSM window {window}")
     row["skipped"] = fits(model, config, device)
     if row["skipped"]:
         return row

@@ -264,26 +264,34 @@ def sweep(batch: int, window: int, gen: torch.Generator) -> None:
     ssu_triton._launch_config, rtk._step_config = ssu_default, step_default
 
 
-def flush_shares(batch: int, window: int, gen: torch.Generator) -> None:
+def flush_shares(batch: int, window: int, gen: torch.Generator,
+                 candidates: dict[str, types.ModuleType] | None = None) -> list[dict[str, float | int | str]]:
     """The step kernel alone (scores + step, no cursor kernels) by the share of rows that flush: none
     (history W/2), all (history W) and the steady state (history 1..W over the rows, 1/W flushing).
-    Cursors are not committed, so every replay of the graph runs the same case."""
+    Cursors are not committed, so every replay of the graph runs the same case. Candidates run on the
+    same tensors right after the committed kernel, case by case."""
     p, inp, pool = params(gen), inputs(batch, 1, gen), replay_pool(batch, window, gen)
     ones = torch.ones(batch, dtype=torch.int32, device="cuda")
     spread = pool["history"]  # replay_pool's steady state: 1..W over the slots
     cases = {f"none (history {window // 2})": torch.full_like(spread, window // 2),
              f"all (history {window})": torch.full_like(spread, window), f"1/{window} (history 1..{window})": spread}
-    print(f"\nstep kernel by flushing rows, batch {batch}, W={window} (us, CUDA graph)")
+    modules, records = {"replay": rtk, **(candidates or {})}, []
+    print(f"\nstep kernel by flushing rows, batch {batch}, W={window} (us, CUDA graph): {', '.join(modules)}")
     for name, history in cases.items():
         pool["history"], pool["is_flush"] = history, history + 1 > window  # the prepare's rule at T = 1
+        times = []
+        for variant, module in modules.items():
+            def step(q: dict[str, torch.Tensor] = pool, kernels: types.ModuleType = module) -> None:
+                # time_cycle captures this case's tensors
+                kernels.replay_step_triton(q["state"], q["x_ring"], q["dt_ring"], q["B_ring"], q["ring_start"],
+                                           q["history"], q["is_flush"], q["slots"], ones, inp["x"], inp["dt"], p["A"],
+                                           inp["B"], inp["C"], p["D"], p["dt_bias"])
 
-        def step(q: dict[str, torch.Tensor] = pool) -> None:  # time_cycle captures this case's tensors
-            rtk.replay_step_triton(q["state"], q["x_ring"], q["dt_ring"], q["B_ring"], q["ring_start"], q["history"],
-                                   q["is_flush"], q["slots"], ones, inp["x"], inp["dt"], p["A"], inp["B"], inp["C"],
-                                   p["D"], p["dt_bias"])
-
-        print(f"  {name}: {time_cycle([step], graph=True):.1f}")
+            times.append(time_cycle([step], graph=True))
+            records.append({"batch": batch, "window": window, "flushing": name, "variant": variant, "us": times[-1]})
+        print(f"  {name}: {' / '.join(f'{us:.1f}' for us in times)}")
     torch.cuda.empty_cache()
+    return records
 
 
 def main() -> None:
@@ -332,16 +340,15 @@ def main() -> None:
         vs_mamba = f"{r['speedup_vs_mamba']:.2f}x" if "speedup_vs_mamba" in r else "-"
         print(f"| {r['batch']} | {r['variant']} | {r['us']:.1f} | {r['mb']:.1f} | {r['gbs']:.0f} | "
               f"{r['copy_frac']:.0%} | {r['speedup_vs_ours']:.2f}x | {vs_mamba} |")
-    if args.flush_shares:
-        for batch in args.batch:
-            flush_shares(batch, args.window, gen)
+    shares = [r for batch in args.batch for r in flush_shares(batch, args.window, gen, candidates)] \
+        if args.flush_shares else []
     if args.sweep:
         sweep(args.sweep, args.window, gen)
     if args.out:
         meta = {"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "mode": mode, "window": args.window,
                 "layers": args.layers,
                 "geometry": {"H": H, "P": P, "N": N, "G": G}, "checks": checks}
-        args.out.write_text(json.dumps({"meta": meta, "records": records}, indent=2))
+        args.out.write_text(json.dumps({"meta": meta, "records": records, "flush_shares": shares}, indent=2))
 
 
 if __name__ == "__main__":

@@ -8,9 +8,12 @@ triton==3.6.0`, then
 
     PYTHONPATH=$PWD python benchmarks/kernel_resources.py [module] [BLOCK_P/warps[/maxnreg] ...]
 
+(``REPLAY_WINDOW=32`` for the window of plain decode; 16 by default).
+
 Registers bound this memory-bound kernel: they set the programs, hence loads, in flight per SM.
 """
 import importlib
+import os
 import subprocess
 import sys
 import tempfile
@@ -68,7 +71,8 @@ def compile_call(fn, args, kwargs):  # noqa: ANN001, ANN201 - a dev tool over Tr
     return line[0].strip().split("CONSTANT")[0] if line else out
 
 
-def step_args(mod, T, H=128, P=64, N=128, G=8, W=16, S=8):
+def step_args(mod, T, H=128, P=64, N=128, G=8, W=None, S=8):
+    W = W or int(os.environ.get("REPLAY_WINDOW", 16))
     R = W + T
     st = torch.zeros(S, H, P, N)
     xr, dr = torch.zeros(S, H, R, P, dtype=torch.bfloat16), torch.zeros(S, H, R)
@@ -88,19 +92,21 @@ def main():
     # BLOCK_P/num_warps[/maxnreg] launch configs; none given: the module's own
     configs = [dict(zip(("BLOCK_P", "num_warps", "maxnreg"), map(int, c.split("/")), strict=False))
                for c in sys.argv[2:]] or [None]
-    names = [n for n in dir(mod) if n.startswith("_replay_") and n.endswith("_kernel")]
+    # The step's kernels, and the flush kernel that its T = 1 steps launch from their own module.
+    homes = [mod, importlib.import_module("replayserve.ops.replay_flush_triton")]
+    names = [(home, n) for home in homes for n in dir(home) if n.startswith("_replay_") and n.endswith("_kernel")]
     for T in (1, 4):
         for config in configs:
             mod._step_config = default if config is None else (lambda *_, c=config: dict(c))
-            caps = {n: Capture() for n in names}
-            saved = {n: getattr(mod, n) for n in names}
-            for n, c in caps.items():
-                setattr(mod, n, c)
+            caps = {n: Capture() for _, n in names}
+            saved = {n: getattr(home, n) for home, n in names}
+            for home, n in names:
+                setattr(home, n, caps[n])
             try:
                 mod.replay_step_triton(*step_args(mod, T))
             finally:
-                for n, f in saved.items():
-                    setattr(mod, n, f)
+                for home, n in names:
+                    setattr(home, n, saved[n])
             for n, c in caps.items():
                 for a, k in c.calls:
                     label = "/".join(str(k[o]) for o in ("BLOCK_P", "num_warps", "maxnreg") if o in k)

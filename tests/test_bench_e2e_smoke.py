@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -16,8 +17,8 @@ import bench_e2e  # noqa: E402
 def test_bench_e2e_cpu_smoke(tmp_path: Path) -> None:
     threads = torch.get_num_threads()
     try:  # one thread, as the benchmark runs by default: several times faster on a busy machine
-        result = bench_e2e.main(["--device", "cpu", "--size", "small", "--batch", "2", "--steps", "2", "--warmup",
-                                 "1", "--repeats", "1", "--prompt-len", "8", "--prefill-prompts", "2",
+        result = bench_e2e.main(["--device", "cpu", "--size", "small", "--batch", "2", "--steps", "2", "--window", "2",
+                                 "--warmup", "1", "--repeats", "1", "--prompt-len", "8", "--prefill-prompts", "2",
                                  "--prefill-len", "16", "--ttft-len", "32", "--out", str(tmp_path)])
     finally:
         torch.set_num_threads(threads)
@@ -38,14 +39,23 @@ def test_bench_e2e_cpu_smoke(tmp_path: Path) -> None:
 def test_bench_e2e_async_rows_overlap() -> None:
     threads = torch.get_num_threads()
     try:
-        result = bench_e2e.main(["--device", "cpu", "--size", "small", "--batch", "2", "--steps", "2", "--warmup",
-                                 "1", "--repeats", "1", "--prompt-len", "8", "--skip-prefill",
+        result = bench_e2e.main(["--device", "cpu", "--size", "small", "--batch", "2", "--steps", "2", "--window", "2",
+                                 "--warmup", "1", "--repeats", "1", "--prompt-len", "8", "--skip-prefill",
                                  "--backends", "baseline-async", "replay-async"])
     finally:
         torch.set_num_threads(threads)
     assert [r["backend"] for r in result["decode"]] == ["baseline-async", "replay-async"]
     # Every timed step was launched before the previous one was read back.
     assert all(r["tok_s"] > 0 and r["overlapped_share"] == 1 for r in result["decode"])
+
+
+def test_bench_e2e_refuses_timed_windows_that_cut_a_replay_flush_cycle() -> None:
+    """The benchmark's rows flush on the same steps: a timed window shorter than the ReplaySSM window
+    could leave the flush steps out and time replay too fast."""
+    with pytest.raises(SystemExit, match="multiple of the ReplaySSM window 4"):
+        bench_e2e.main(["--device", "cpu", "--size", "small", "--batch", "1", "--steps", "6", "--window", "4",
+                        "--warmup", "0", "--repeats", "1", "--prompt-len", "4", "--skip-prefill",
+                        "--backends", "replay"])
 
 
 def test_hf_twin_shares_our_weights_and_its_moe_layer_matches_ours() -> None:

@@ -17,10 +17,12 @@ exactly what later replays see. History reads and appends never share a physical
 Every row, flush or not, is read out from S0 over history + window, which equals the contract's
 readout(S1, window) in exact arithmetic. The tile is reduced against each token's C right after
 the ring loads are issued, so its loads overlap the cursor -> ring chain and its registers are
-free afterwards. A flush row then folds its history in tile form, S1 = e^{A G_m} S0 + (x_h w)^T B_h
-(fp32 products, ``input_precision="ieee"``: no TF32 anywhere), in column chunks of the tile
-reloaded from cache, one latency per chunk; a register cap keeps the rare flush path from raising
-the register count of every row, since registers (loads in flight per SM) bound the kernel.
+free afterwards. The flush folds each flushing row's history in tile form,
+S1 = e^{A G_m} S0 + (x_h w)^T B_h. Decode steps (T <= ``SEPARATE_FLUSH_TOKENS``) leave it to
+``replay_flush_triton``, a persistent kernel launched after this one that spends programs only
+on the flushing rows (about 1/W of them); the step kernel then carries no fold and keeps its
+register cap. Verify steps (T > 1) fold inside the step kernel (``FUSED_FLUSH``: fp32 products,
+``input_precision="ieee"``), in column chunks of the tile reloaded from cache.
 Materialization folds token by token (``_fold``), like the baseline update. Readouts use explicit
 fp32 reductions: at decode sizes (T <= 4) 16-wide dot tiles would mostly multiply padding.
 """
@@ -35,9 +37,11 @@ import triton.language as tl
 from torch import Tensor
 
 from replayserve.ops.replay_cursors_triton import flag_bytes, replay_commit_triton, replay_prepare_triton
+from replayserve.ops.replay_flush_triton import replay_flush_triton
 from replayserve.ops.ssu_triton import process_dt
 
-__all__ = ["replay_commit_triton", "replay_materialize_triton", "replay_prepare_triton", "replay_step_triton"]
+__all__ = ["replay_commit_triton", "replay_flush_triton", "replay_materialize_triton", "replay_prepare_triton",
+           "replay_step_triton"]
 
 
 @triton.jit
@@ -123,7 +127,7 @@ def _replay_step_kernel(
     s_y_b, s_y_t, s_y_h, s_y_p,
     T: tl.constexpr, HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr,
-    FOLD_N: tl.constexpr,
+    FOLD_N: tl.constexpr, FUSED_FLUSH: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
@@ -209,7 +213,7 @@ def _replay_step_kernel(
     pw = tl.where(pw >= R, pw - R, pw)
     tl.store(xr_row + pw[:, None] * s_xr_r + offs_p[None, :] * s_xr_p, xw, mask=win[:, None] & mlp)
     tl.store(dr_row + pw * s_dr_r, dw, mask=win & (pid_p == 0))
-    if (tl.load(flush_ptr + slot) != 0) & (m > 0):  # flush: S1 = fold(S0, history) is the new checkpoint
+    if FUSED_FLUSH and (tl.load(flush_ptr + slot) != 0) & (m > 0):  # S1 = fold(S0, history): the new checkpoint
         # Tile form: S1 = e^{A G_m} S0 + (x_h w)^T B_h, with w_j = e^{A (G_m - G_j)} d_j, in FOLD_N-column
         # chunks of the tile reloaded from cache: one latency per chunk, not one per entry.
         w = tl.where(hist, tl.exp(tl.where(hist, a * to_end, float("-inf"))) * dh, 0.0)
@@ -282,6 +286,9 @@ def _step_config(dim: int, dstate: int, ring_len: int, tokens: int) -> dict[str,
 
 
 FOLD_N = 16  # columns per chunk of the flush product (16 x BLOCK_W x 16): fewer registers than 32
+# Steps of at most this many tokens per row flush in ``replay_flush_triton`` after the step kernel;
+# verify steps fold inside it.
+SEPARATE_FLUSH_TOKENS = 1
 
 
 def _lanes(count: int) -> int:
@@ -343,6 +350,7 @@ def replay_step_triton(
         T=tokens, BLOCK_N=block_n, BLOCK_W=block_w, BLOCK_T=block_t,
     )
     launch = _step_config(dim, dstate, ring_len, tokens)
+    apart = tokens <= SEPARATE_FLUSH_TOKENS
     _replay_step_kernel[(triton.cdiv(dim, launch["BLOCK_P"]), nheads, rows)](
         state, x_ring, dt_ring, B_ring, ring_start, history, flag_bytes(is_flush), slots, num_tokens,
         x, dt, A, C, scores, D, dt_bias, y,
@@ -350,8 +358,11 @@ def replay_step_triton(
         *state.stride(), *x_ring.stride(), *dt_ring.stride(), *B_ring.stride(),
         *x.stride(), *dt.stride(), *C.stride(), *y.stride(),
         T=tokens, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
-        BLOCK_N=block_n, BLOCK_W=block_w, BLOCK_T=block_t, FOLD_N=min(FOLD_N, block_n), **launch,
+        BLOCK_N=block_n, BLOCK_W=block_w, BLOCK_T=block_t, FOLD_N=min(FOLD_N, block_n), FUSED_FLUSH=not apart,
+        **launch,
     )
+    if apart:
+        replay_flush_triton(state, x_ring, dt_ring, B_ring, ring_start, history, is_flush, slots, A)
     return y
 
 

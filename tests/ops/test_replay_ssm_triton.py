@@ -33,7 +33,7 @@ CASES = [pytest.param(DRIVES[i], SMALL, torch.float32, id=f"W{DRIVES[i][0]}-T{DR
          for i in range(len(DRIVES))]
 if CUDA:
     CASES += [pytest.param(d, shape, dt, id=f"W{d[0]}-T{d[1]}-{name}-{str(dt)[6:]}")
-              for d in [(16, 1, (0.0, math.inf)), (16, 4, (0.0, math.inf))] + DRIVES[1:]
+              for d in [(16, 1, (0.0, math.inf)), (32, 1, (0.0, math.inf)), (16, 4, (0.0, math.inf))] + DRIVES[1:]
               for shape, name in [(SMALL, "small"), (BIG, "big")]
               for dt in (torch.float32, torch.bfloat16)]
 
