@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replayserve.ops.copy_rows import copy_rows, copy_rows_ref, copy_rows_triton
+from replayserve.ops.copy_rows import copy_rows, copy_rows_ref
+from replayserve.ops.copy_rows_triton import copy_rows_triton
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
