@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from replayserve.config import DTYPES, MAMBA_CACHE_MODES, SSM_BACKENDS
-from replayserve.tiny_code import TINY_CODE, resolve_model
+from replayserve.tiny_code import BUILTIN_MODELS, TINY_CODE, resolve_model
 
 if TYPE_CHECKING:
     from replayserve.outputs import Logprob
@@ -152,11 +152,32 @@ def _serve(args: argparse.Namespace) -> None:
     if args.max_waiting_requests < 0:
         raise UserError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from replayserve import LLM
+    from replayserve.server.core_process import EngineStartError, ProcessCore
 
-    llm = LLM(model=_model_dir(args.model), **engine_options(args))
-    app = create_app(llm, args.served_model_name or args.model, args.max_waiting_requests)
-    serve(app, args.host, args.port, args.shutdown_timeout)
+    model = _model_dir(args.model)
+    core = ProcessCore(model, engine_options(args))
+    try:
+        core.launch()
+    except EngineStartError as e:
+        core.stop(0)
+        raise UserError(str(e)) from e
+    except BaseException:
+        core.stop(0)
+        raise
+    try:
+        app = create_app(core, args.served_model_name or served_name(args.model), args.max_waiting_requests)
+        served = serve(app, args.host, args.port, args.shutdown_timeout)
+    finally:
+        core.stop()  # the app stops it when it shuts down; this covers a failure before it ran
+    if not served:
+        print(f"replayserve serve: error: {app.state.engine.death}", file=sys.stderr)
+        sys.exit(1)
+
+
+def served_name(model: str) -> str:
+    """The name a model is served under without --served-model-name: a built-in model's own name,
+    else its directory's name (not the path, which says where it lies on the server)."""
+    return model if model in BUILTIN_MODELS else Path(model).resolve().name
 
 
 def _make_tiny(args: argparse.Namespace) -> None:

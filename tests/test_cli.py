@@ -86,11 +86,11 @@ def test_serve_defaults_to_the_builtin_model(monkeypatch: pytest.MonkeyPatch, ca
     import replayserve.server
 
     seen = {}
-    monkeypatch.setattr(replayserve.server, "create_app", lambda llm, name, waiting: seen.update(llm=llm, name=name))
-    monkeypatch.setattr(replayserve.server, "serve", lambda app, host, port, timeout: None)
+    monkeypatch.setattr(replayserve.server, "create_app", lambda core, name, waiting: seen.update(core=core, name=name))
+    monkeypatch.setattr(replayserve.server, "serve", lambda app, host, port, timeout: True)
     code, _, err = _run(["serve", "--device", "cpu"], capsys)
     assert code == 0, err
-    assert seen["name"] == "replayserve/tiny-code" and seen["llm"].config.model.num_nextn_predict_layers == 1
+    assert seen["name"] == "replayserve/tiny-code" and seen["core"].config.model.num_nextn_predict_layers == 1
 
 
 def test_make_tiny_refuses_a_non_empty_directory(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

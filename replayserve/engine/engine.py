@@ -48,6 +48,35 @@ class _Launched(NamedTuple):
     pending: PendingSample
 
 
+def validate_request(config: EngineConfig, has_tokenizer: bool, prompt_token_ids: list[int],
+                     params: SamplingParams) -> None:
+    """Raises ValueError for a request an engine of ``config`` cannot serve (``has_tokenizer``: the
+    model has one, which stop strings need). Reads the configuration only, so a front end in
+    another process than the engine checks requests with it before sending them."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
+    if not prompt_token_ids:
+        raise ValueError("the prompt is empty: it needs at least one token")
+    vocab = config.model.vocab_size
+    bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token ids must be ints in [0, {vocab}); got {bad[:5]}")
+    limit = config.resolved_max_model_len
+    if len(prompt_token_ids) >= limit:
+        raise ValueError(
+            f"the prompt has {len(prompt_token_ids)} tokens; max_model_len={limit} leaves room for "
+            f"at most {limit - 1} prompt tokens"
+        )
+    if params.stop and not has_tokenizer:
+        raise ValueError("SamplingParams.stop needs a tokenizer; the model directory has no tokenizer.json")
+    for option in ("logprobs", "prompt_logprobs"):
+        if (k := getattr(params, option)) is not None and k > vocab:
+            raise ValueError(f"SamplingParams.{option}={k} is more than the vocabulary's {vocab} tokens")
+    if any(t >= vocab for t in params.stop_token_ids):
+        raise ValueError(f"SamplingParams.stop_token_ids must be < the vocabulary size {vocab}, "
+                         f"got {list(params.stop_token_ids)}")
+
+
 class Engine:
     def __init__(self, config: EngineConfig, model: NemotronHForCausalLM, tokenizer: Tokenizer | None,
                  workers: Workers | None = None) -> None:
@@ -83,28 +112,7 @@ class Engine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError for a request the engine cannot serve; touches no state."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty: it needs at least one token")
-        vocab = self.config.model.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be ints in [0, {vocab}); got {bad[:5]}")
-        limit = self.config.resolved_max_model_len
-        if len(prompt_token_ids) >= limit:
-            raise ValueError(
-                f"the prompt has {len(prompt_token_ids)} tokens; max_model_len={limit} leaves room for "
-                f"at most {limit - 1} prompt tokens"
-            )
-        if params.stop and self.tokenizer is None:
-            raise ValueError("SamplingParams.stop needs a tokenizer; the model directory has no tokenizer.json")
-        for option in ("logprobs", "prompt_logprobs"):
-            if (k := getattr(params, option)) is not None and k > vocab:
-                raise ValueError(f"SamplingParams.{option}={k} is more than the vocabulary's {vocab} tokens")
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"SamplingParams.stop_token_ids must be < the vocabulary size {vocab}, "
-                             f"got {list(params.stop_token_ids)}")
+        validate_request(self.config, self.tokenizer is not None, prompt_token_ids, params)
 
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
@@ -135,8 +143,9 @@ class Engine:
         """Requests wait or run, or a launched step has not been read back (async scheduling)."""
         return self.scheduler.has_unfinished() or self._launched is not None
 
-    def step(self) -> list[Request]:
-        """Runs one step; returns the requests that finished in it.
+    def step(self, overlap: bool = True) -> list[Request]:
+        """Runs one step; returns the requests that finished in it. overlap=False runs it
+        synchronously even with async scheduling (when no step is in flight, none is left in flight).
 
         A step either completes or changes nothing a request can see: if anything raises (the
         forward, sampling, stop rules, publishing, an interrupt), the tokens it appended are taken
@@ -152,7 +161,7 @@ class Engine:
             plan = self.scheduler.schedule(self._propose())
             if not plan.seqs:
                 raise RuntimeError("the scheduler planned an empty step with requests pending")
-            if not (self.config.async_scheduling and self.scheduler.overlappable(plan)):
+            if not (overlap and self.config.async_scheduling and self.scheduler.overlappable(plan)):
                 return self._run(plan)
             try:
                 self._launched = self._launch(plan)

@@ -13,7 +13,7 @@ taken until that step has landed, so no other request can be handed memory it st
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -81,10 +81,27 @@ class Scheduler:
         self.num_preemptions = 0
         self._flying: Counter[str] = Counter()  # request id -> launched steps with a row of it, not landed
         self._parked: list[Request] = []  # finished while flying: blocks and slot not yet returned
+        self._held: list[Request] = []  # set aside by `hold`
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
         self.unfinished[request.request_id] = request
+
+    def hold(self, keep: Collection[str]) -> None:
+        """Sets aside every unfinished request whose id is not in ``keep`` (running ones are
+        preempted first), so that the following steps run only ``keep``'s; `release` brings them
+        back. Used to find which request makes steps fail; no step may be in flight."""
+        assert not self._flying and not self._held, "hold needs no step in flight and nothing held"
+        for request in [r for r in self.running if r.request_id not in keep]:
+            self._preempt(request, count=False)
+        self._held = [r for r in self.waiting if r.request_id not in keep]
+        self.waiting = deque(r for r in self.waiting if r.request_id in keep)
+
+    def release(self) -> None:
+        """Requeues what `hold` set aside, first come first served among the waiting."""
+        if self._held:
+            self.waiting = deque(sorted([*self.waiting, *self._held], key=lambda r: r.arrival))
+            self._held = []
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -1,8 +1,9 @@
-"""The FastAPI application: routes, error answers, and the engine thread's lifetime (started with
-the app, stopped when it shuts down)."""
+"""The FastAPI application: routes, error answers, and the engine core's lifetime (it delivers
+outputs while the app runs and is stopped when the app shuts down)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -15,27 +16,39 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
+from replayserve.chat import ChatTemplate
 from replayserve.llm import LLM
-from replayserve.server.async_engine import AsyncEngine
+from replayserve.server.async_engine import AsyncEngine, ThreadCore
+from replayserve.server.core_process import ProcessCore
 from replayserve.server.errors import ApiError, validation_error
 from replayserve.server.generation import Generation
 from replayserve.server.metrics import ServerMetrics
 from replayserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, error_body
+from replayserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 
-def create_app(llm: LLM, model_name: str, max_waiting_requests: int = 256) -> FastAPI:
-    """An app serving ``llm`` under ``model_name``. ``app.state.engine`` is its `AsyncEngine`
-    and ``app.state.metrics`` its `ServerMetrics`; the engine thread runs while the app does
-    (its lifespan), and ``app.state.draining`` set makes new generation requests answer 503."""
+def create_app(source: LLM | ProcessCore, model_name: str, max_waiting_requests: int = 256) -> FastAPI:
+    """An app serving ``source`` under ``model_name``: an engine core process that has been
+    launched (`serve`), or an `LLM` whose engine then steps on a thread of this process.
+    ``app.state.engine`` is its `AsyncEngine` and ``app.state.metrics`` its `ServerMetrics`;
+    ``app.state.draining`` set makes new generation requests answer 503. If the core dies, the
+    requests in flight fail, /health answers 503 and ``app.state.on_fatal`` (if set) is called."""
     metrics = ServerMetrics(model_name)
-    engine = AsyncEngine(llm.engine, metrics, max_waiting_requests)
-    generation = Generation(engine, model_name, llm.tokenizer, llm.chat_template)
+    if isinstance(source, LLM):
+        core: ThreadCore | ProcessCore = ThreadCore(source.engine)
+        tokenizer, chat_template = source.tokenizer, source.chat_template
+    else:
+        core = source
+        tokenizer, chat_template = Tokenizer.from_dir(source.model), ChatTemplate.from_dir(source.model)
+    engine = AsyncEngine(core, tokenizer, metrics, max_waiting_requests)
+    generation = Generation(engine, model_name, tokenizer, chat_template)
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.loop = asyncio.get_running_loop()
         engine.start()
         try:
             yield
@@ -46,6 +59,15 @@ def create_app(llm: LLM, model_name: str, max_waiting_requests: int = 256) -> Fa
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.draining = False
+    app.state.on_fatal = None
+    app.state.loop = None  # the event loop, once the app runs
+
+    def died(why: str) -> None:
+        app.state.draining = True
+        if app.state.on_fatal is not None:
+            app.state.on_fatal()
+
+    engine.on_death = died
 
     @app.exception_handler(ApiError)
     async def api_error(request: HttpRequest, exc: ApiError) -> JSONResponse:
@@ -84,7 +106,7 @@ def create_app(llm: LLM, model_name: str, max_waiting_requests: int = 256) -> Fa
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        limit = llm.config.resolved_max_model_len
+        limit = engine.config.resolved_max_model_len
         return ModelList(data=[ModelCard(id=model_name, created=created, max_model_len=limit)])
 
     @app.get("/health")

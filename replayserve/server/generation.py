@@ -123,7 +123,7 @@ class Generation:
             raise ApiError(400, str(e), "messages") from e
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise ApiError(400, "give max_tokens or max_completion_tokens, not both", "max_tokens")
-        room = self.engine.engine.config.resolved_max_model_len - len(prompt)
+        room = self.engine.config.resolved_max_model_len - len(prompt)
         max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
         k = body.top_logprobs or 0
         if body.top_logprobs is not None and not body.logprobs:

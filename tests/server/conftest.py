@@ -45,8 +45,8 @@ class RunningServer:
         engine may be inspected from this thread."""
         deadline, quiet = time.monotonic() + timeout, 0
         while quiet < 2:
-            busy = (self.engine.num_in_flight or not self.engine._commands.empty()
-                    or self.engine.engine.has_unfinished())
+            core = self.engine.core  # a ThreadCore over self.llm's engine
+            busy = self.engine.num_in_flight or not core._commands.empty() or self.llm.engine.has_unfinished()
             quiet = 0 if busy else quiet + 1
             assert time.monotonic() < deadline, "the server did not go idle"
             time.sleep(0.05)

@@ -1,6 +1,7 @@
 """Admission control (429 with Retry-After past max_num_seqs + max_waiting_requests), clients that
-hang up (aborted, blocks and slots freed), and an engine fault (500 for the requests in flight,
-then the server serves again); with and without async scheduling."""
+hang up (aborted, blocks and slots freed), and engine faults (one every step fails its requests
+with a 500 and the server then serves again; a transient one is retried); with and without async
+scheduling. `test_fault_isolation.py` has the fault that one request among several causes."""
 
 from __future__ import annotations
 
@@ -75,7 +76,42 @@ def test_a_client_that_hangs_up_on_a_whole_response_is_aborted(small: RunningSer
 
 def test_an_engine_fault_fails_the_requests_in_flight_and_the_server_goes_on(
         small: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault in every step, whichever request runs, is the engine's: the request fails (500, or
+    an error event in a stream) and, once the fault is gone, the server serves again."""
     runner = small.llm.engine.runner
+    broken = {"on": True}
+
+    def fail(method: str) -> object:
+        def call(*args: object, **kwargs: object) -> object:
+            if broken["on"]:
+                raise RuntimeError("injected fault")
+            return getattr(Runner, method)(runner, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(runner, "execute", fail("execute"))
+    monkeypatch.setattr(runner, "launch_decode", fail("launch_decode"))
+    response = httpx.post(f"{small.base_url}/v1/completions", json={**LONG, "max_tokens": 4}, timeout=30)
+    assert response.status_code == 500
+    assert "injected fault" in response.json()["error"]["message"]
+    small.assert_pools_full()
+
+    # in a stream the status line is sent, so the error comes as an event
+    with httpx.stream("POST", f"{small.base_url}/v1/completions", json={**LONG, "max_tokens": 4, "stream": True},
+                      timeout=30) as stream:
+        events = [line.removeprefix("data: ") for line in stream.iter_lines() if line.startswith("data: ")]
+    assert "injected fault" in json.loads(events[-2])["error"]["message"] and events[-1] == "[DONE]"
+    small.assert_pools_full()
+
+    broken["on"] = False
+    ok = httpx.post(f"{small.base_url}/v1/completions", json={**LONG, "max_tokens": 4}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+    assert httpx.get(f"{small.base_url}/health").status_code == 200
+
+
+def test_a_transient_fault_is_retried_and_the_request_completes(
+        small: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = small.llm.engine.runner
+    expected = httpx.post(f"{small.base_url}/v1/completions", json={**LONG, "max_tokens": 6}, timeout=30).json()
     faults = {"left": 1}
 
     def execute(*args: object, **kwargs: object) -> object:
@@ -85,18 +121,8 @@ def test_an_engine_fault_fails_the_requests_in_flight_and_the_server_goes_on(
         return Runner.execute(runner, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(runner, "execute", execute)
-    response = httpx.post(f"{small.base_url}/v1/completions", json={**LONG, "max_tokens": 4}, timeout=30)
-    assert response.status_code == 500
-    assert "injected fault" in response.json()["error"]["message"]
+    response = httpx.post(f"{small.base_url}/v1/completions", json={**LONG, "max_tokens": 6}, timeout=30)
+    assert faults["left"] == 0
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["text"] == expected["choices"][0]["text"]
     small.assert_pools_full()
-
-    faults["left"] = 1  # now in a stream: the status line is sent, so the error comes as an event
-    with httpx.stream("POST", f"{small.base_url}/v1/completions", json={**LONG, "max_tokens": 4, "stream": True},
-                      timeout=30) as stream:
-        events = [line.removeprefix("data: ") for line in stream.iter_lines() if line.startswith("data: ")]
-    assert "injected fault" in json.loads(events[-2])["error"]["message"] and events[-1] == "[DONE]"
-    small.assert_pools_full()
-
-    ok = httpx.post(f"{small.base_url}/v1/completions", json={**LONG, "max_tokens": 4}, timeout=30)
-    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
-    assert httpx.get(f"{small.base_url}/health").status_code == 200
