@@ -19,7 +19,9 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# OpenAI's newer name for system instructions; most chat templates know only "system", so it renders as that.
+ROLE_ALIASES = {"developer": "system"}
 
 Message = dict[str, Any]
 
@@ -60,17 +62,23 @@ class ChatTemplate:
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
         """The prompt text of one conversation: a list of {"role": ..., "content": str}."""
         check_messages(messages)
+        messages = [{**m, "role": ROLE_ALIASES.get(m["role"], m["role"])} for m in messages]
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          **self.special_tokens)
         except TemplateError as e:
             raise ValueError(f"the chat template failed on these messages: {e}") from e
 
     def prompt_ids(self, messages: Sequence[Message], tokenizer: Tokenizer, add_generation_prompt: bool = True
                    ) -> list[int]:
-        """The token ids of a rendered conversation; the template writes any special tokens
-        itself (bos_token), so the tokenizer adds none."""
-        return tokenizer.encode(self.render(messages, add_generation_prompt), add_special_tokens=False)
+        """The token ids of a rendered conversation (`encode_rendered`)."""
+        return encode_rendered(self.render(messages, add_generation_prompt), tokenizer)
+
+
+def encode_rendered(prompt: str, tokenizer: Tokenizer) -> list[int]:
+    """The token ids of a rendered conversation; the template writes any special tokens itself
+    (bos_token), so the tokenizer adds none."""
+    return tokenizer.encode(prompt, add_special_tokens=False)
 
 
 def check_messages(messages: Sequence[Message]) -> None:

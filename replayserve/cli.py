@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -21,10 +22,27 @@ class UserError(Exception):
     """A mistake in the invocation: printed as one line, exit status 2."""
 
 
+# The install command of the server extra, as README's Serving section gives it (a test holds them equal).
+SERVER_EXTRA_INSTALL = 'pip install -e ".[server]"'
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(2)
+
+
+class _SubcommandParser(_Parser):
+    """A subcommand's parser. argparse hands arguments a subcommand does not know back to the top
+    parser, whose error points to `replayserve --help`; refused here, the error names the
+    subcommand's own help, where its options are."""
+
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -91,6 +109,9 @@ def _add_model_option(p: argparse.ArgumentParser) -> None:
 def _model_dir(path: str) -> str:
     """The directory `--model` names: a built-in model's, or the path itself when it exists."""
     resolved = resolve_model(path)
+    if Path(resolved).exists() and not Path(resolved).is_dir():
+        raise UserError(f"--model {path} is a file, not a model directory (a directory with config.json and "
+                        f"the safetensors weights, or {TINY_CODE})")
     if not Path(resolved).is_dir():
         raise UserError(f"the model directory {path} does not exist")
     return resolved
@@ -145,7 +166,8 @@ def _serve(args: argparse.Namespace) -> None:
     try:
         from replayserve.server import create_app, serve
     except ImportError as e:
-        raise UserError(f"serve needs the server extra ({e.name} is missing): pip install 'replayserve[server]'") from e
+        raise UserError(f"serve needs the server extra ({e.name} is missing): {SERVER_EXTRA_INSTALL} in the "
+                        "replayserve checkout") from e
 
     if not 1 <= args.port <= 65535 and args.port != 0:
         raise UserError(f"--port must be in [1, 65535] (or 0: any free port), got {args.port}")
@@ -194,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(prog="replayserve", description="A serving engine for hybrid Mamba2/attention models.")
     parser.add_argument("--version", action="version", version=f"replayserve {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_SubcommandParser)
 
     demo = sub.add_parser("demo", help="continue a few Python prompts with the built-in model; tok/s and "
                                        "acceptance without speculation and with n-gram and MTP drafts")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -11,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from replayserve.cache_sizing import size_caches
-from replayserve.chat import ChatTemplate, Message
+from replayserve.chat import ChatTemplate, Message, encode_rendered
 from replayserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 from replayserve.distributed.group import Workers
 from replayserve.engine.engine import Engine
@@ -167,25 +168,34 @@ class LLM:
     ) -> list[RequestOutput]:
         """Replies to one conversation (a list of {"role", "content"} dicts) or to a list of them.
         Each is rendered with `chat_template`, else the model directory's (tokenizer_config.json),
-        else `replayserve.chat.DEFAULT_CHAT_TEMPLATE`, then generated like a prompt."""
+        else `replayserve.chat.DEFAULT_CHAT_TEMPLATE`, then generated like a prompt; an output's
+        `prompt` is the rendered text, as vLLM's is."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; the model directory has no tokenizer.json")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         template = self.chat_template if chat_template is None else ChatTemplate(chat_template,
                                                                                  self.chat_template.special_tokens)
-        prompts = [{"prompt_token_ids": template.prompt_ids(c, self.tokenizer, add_generation_prompt)}
-                   for c in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        texts = [template.render(c, add_generation_prompt) for c in conversations]  # type: ignore[arg-type]
+        prompts = [{"prompt_token_ids": encode_rendered(t, self.tokenizer)} for t in texts]
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return [dataclasses.replace(out, prompt=text) for out, text in zip(outputs, texts, strict=True)]
 
-    def _run(self, total: int, use_tqdm: bool) -> None:
-        """Steps until every request is done; the bar shows requests done and the prefill (input)
-        and generated (output) tokens per second, updated every step, as vLLM's does."""
+    def _run(self, groups: list[list[Request]], use_tqdm: bool) -> None:
+        """Steps until every request is done; the bar shows prompts done (all of a prompt's `n`
+        completions finished) and the prefill (input) and generated (output) tokens per second,
+        updated every step, as vLLM's does."""
         engine = self.engine
         prefilled, generated, start = engine.num_prefill_tokens, engine.num_generated_tokens, time.perf_counter()
         shown = start
-        with tqdm(total=total, disable=not use_tqdm, desc="Processed prompts", dynamic_ncols=True) as bar:
+        prompt_of = {r.request_id: i for i, group in enumerate(groups) for r in group}
+        unfinished = [len(group) for group in groups]
+        with tqdm(total=len(groups), disable=not use_tqdm, desc="Processed prompts", dynamic_ncols=True) as bar:
             while engine.has_unfinished():
-                done = len(engine.step())
+                done = 0
+                for request in engine.step():
+                    prompt = prompt_of[request.request_id]
+                    unfinished[prompt] -= 1
+                    done += unfinished[prompt] == 0
                 now = time.perf_counter()
                 if done or now - shown > 0.5 or not engine.has_unfinished():
                     elapsed, shown = max(now - start, 1e-9), now
@@ -223,7 +233,7 @@ class LLM:
                 requests.append([])
                 for i in range(p.n):
                     requests[-1].append(self.engine.add_request(prompt_ids, p.for_completion(i), cache_salt))
-            self._run(sum(len(r) for r in requests), use_tqdm)
+            self._run(requests, use_tqdm)
         finally:
             for request in (r for group in requests for r in group):  # an interrupted call keeps no block or slot
                 self.engine.abort(request)

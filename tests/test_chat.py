@@ -54,12 +54,23 @@ def test_chat_equals_generate_on_the_rendered_prompt(chat_model_dir: Path) -> No
     two = llm.chat([CONVERSATION, CONVERSATION[:1]], GREEDY, use_tqdm=False)
     assert one[0].outputs[0].token_ids == want[0].outputs[0].token_ids == two[0].outputs[0].token_ids
     assert len(two) == 2 and two[1].prompt_token_ids != two[0].prompt_token_ids
+    # The rendered prompt, as vLLM's chat returns it.
+    assert one[0].prompt == two[0].prompt == text and two[1].prompt == ChatTemplate.from_dir(chat_model_dir).render(
+        CONVERSATION[:1])
 
 
 def test_without_a_template_the_documented_default_is_used(tiny_model_dir: Path) -> None:
     template = ChatTemplate.from_dir(tiny_model_dir)
     assert template.source == DEFAULT_CHAT_TEMPLATE
     assert template.render([{"role": "user", "content": "hi"}]) == "<|user|>\nhi\n<|assistant|>\n"
+
+
+def test_a_developer_message_renders_as_a_system_one(chat_model_dir: Path) -> None:
+    """OpenAI's developer role is its system role; the template (which refuses unknown roles) sees "system"."""
+    template = ChatTemplate.from_dir(chat_model_dir)
+    developer = [{"role": "developer", "content": "Answer in digits."}, *CONVERSATION]
+    assert template.render(developer) == template.render([{**developer[0], "role": "system"}, *CONVERSATION])
+    assert developer[0]["role"] == "developer", "the caller's messages are left as they were"
 
 
 @pytest.mark.parametrize(("messages", "message"), [

@@ -3,12 +3,15 @@ prompt and completion apart, and a table of bad invocations that each exit 2 wit
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
 import replayserve
-from replayserve.cli import build_parser, main
+from replayserve.cli import SERVER_EXTRA_INSTALL, build_parser, main
+
+README = Path(__file__).parents[1] / "README.md"
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
@@ -107,6 +110,10 @@ def test_make_tiny_refuses_a_non_empty_directory(tmp_path: Path, capsys: pytest.
     (["serve-everything"], "invalid choice"),
     (["demo", "--num-drafts", "0"], "--num-drafts"),
     (["generate", "--model", "/no/such/dir", "--prompt", "x"], "does not exist"),
+    (["generate", "--model", "{readme}", "--prompt", "x"], "is a file, not a model directory"),
+    (["generate", "--prompt", "x", "--frobnicate"], "unrecognized arguments: --frobnicate (see replayserve "
+                                                    "generate --help)"),
+    (["serve", "--frobnicate"], "(see replayserve serve --help)"),
     (["generate", "--model", "{model}", "--prompt", "x", "--dtype", "int8"], "invalid choice"),
     (["generate", "--model", "{model}", "--prompt", "x", "--speculative", "{oops"], "not valid JSON"),
     (["generate", "--model", "{model}", "--prompt", "x", "--speculative", '{"method": "eagle", '
@@ -125,11 +132,24 @@ def test_make_tiny_refuses_a_non_empty_directory(tmp_path: Path, capsys: pytest.
 ])
 def test_bad_invocations_exit_2_with_one_line(tiny_model_dir: Path, capsys: pytest.CaptureFixture, argv: list[str],
                                               message: str) -> None:
-    code, out, err = _run([a.replace("{model}", str(tiny_model_dir)) for a in argv], capsys)
+    code, out, err = _run([a.replace("{model}", str(tiny_model_dir)).replace("{readme}", str(README)) for a in argv],
+                          capsys)
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], err
     assert "Traceback" not in err
+
+
+def test_the_server_extra_hint_gives_readmes_install_command(monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture) -> None:
+    """Without fastapi, `serve` says how to install the extra, in the words of README's Serving section."""
+    serving = README.read_text().split("## Serving")[1].split("\n## ")[0]
+    assert SERVER_EXTRA_INSTALL in serving
+    for name in [m for m in sys.modules if m == "replayserve.server" or m.startswith("replayserve.server.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # an import of it fails as if it were not installed
+    code, _, err = _run(["serve", "--device", "cpu"], capsys)
+    assert code == 2 and "fastapi is missing" in err and SERVER_EXTRA_INSTALL in err
 
 
 def test_ctrl_c_ends_with_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,

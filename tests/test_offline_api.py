@@ -108,9 +108,10 @@ def test_bad_n_is_refused(n: object) -> None:
         SamplingParams(n=n)  # type: ignore[arg-type]
 
 
-def test_the_progress_bar_shows_requests_and_token_rates(llm: LLM, capsys: pytest.CaptureFixture) -> None:
-    llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}] * 3, SamplingParams(temperature=0.0, max_tokens=5))
+def test_the_progress_bar_shows_prompts_and_token_rates(llm: LLM, capsys: pytest.CaptureFixture) -> None:
+    """It counts prompts, as vLLM's does: 3 prompts of n=2 completions are 0/3 ... 3/3, never /6."""
+    llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}] * 3, SamplingParams(temperature=0.0, max_tokens=5, n=2))
     err = capsys.readouterr().err
-    assert "Processed prompts" in err and "3/3" in err
+    assert "Processed prompts" in err and "0/3" in err and "3/3" in err and "/6" not in err
     assert "input:" in err and "output:" in err and "tok/s" in err
     assert llm.get_metrics()["num_prefill_tokens"] >= 12

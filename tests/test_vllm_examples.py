@@ -75,8 +75,8 @@ def test_chat_as_in_vllm(tiny_model_dir: Path) -> None:
         prompt = output.prompt
         generated_text = output.outputs[0].text
     # --- checks ---
-    assert len(outputs) == 1 and prompt is None and generated_text == outputs[0].outputs[0].text
     rendered = llm.chat_template.render(conversation, True)
+    assert len(outputs) == 1 and prompt == rendered and generated_text == outputs[0].outputs[0].text
     assert outputs[0].prompt_token_ids == llm.get_tokenizer().encode(rendered, add_special_tokens=False)
     direct = llm.generate({"prompt_token_ids": outputs[0].prompt_token_ids}, sampling_params, use_tqdm=False)[0]
     assert direct.outputs[0].token_ids == outputs[0].outputs[0].token_ids

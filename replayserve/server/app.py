@@ -77,7 +77,7 @@ def create_app(source: LLM | ProcessCore, model_name: str, max_waiting_requests:
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: HttpRequest, exc: RequestValidationError) -> JSONResponse:
         metrics.reject(400)
-        return validation_error(exc).response()
+        return validation_error(exc, request.headers.get("content-type")).response()
 
     @app.exception_handler(HTTPException)
     async def http_error(request: HttpRequest, exc: HTTPException) -> JSONResponse:

@@ -47,14 +47,19 @@ def invalid_value(error: ValueError, prompt_field: str, renames: dict[str, str] 
     return ApiError(400, message, param)
 
 
-def validation_error(exc: RequestValidationError) -> ApiError:
-    """A 400 for a body FastAPI could not parse or validate, naming the first field at fault."""
+def validation_error(exc: RequestValidationError, content_type: str | None) -> ApiError:
+    """A 400 for a body FastAPI could not parse or validate, naming the first field at fault.
+    ``content_type``: the request's header (FastAPI parses JSON only when it says JSON)."""
     first = exc.errors()[0]
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     kind = first.get("type", "")
     if kind == "json_invalid":
         return ApiError(400, f"the body is not valid JSON: {first.get('msg', '')}", None)
-    if kind == "missing" and not loc:
+    if not loc:  # the body as a whole: missing, not JSON, or JSON but not an object
+        if isinstance(first.get("input"), bytes):  # left unparsed: the content type does not say JSON
+            got = "no content type" if not content_type else f"content-type {content_type!r:.80}"
+            return ApiError(400, f"the body must be a JSON object sent with content-type: application/json "
+                            f"(got {got})", None)
         return ApiError(400, "the body must be a JSON object", None)
     # Unions report one error per member, with the member's type and list indices in the path:
     # the field is the path of names alone.

@@ -90,12 +90,13 @@ class Generation:
 
     # -- routes ------------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, raw: HttpRequest) -> Response:
-        self._check_model(body.model)
+        self._check_request(body)
         prompts = self._completion_prompts(body.prompt)
         try:
             params = body.sampling_params(body.max_tokens, body.logprobs)
         except ValueError as e:
             raise invalid_value(e, "prompt") from e
+        self._check_context(max(len(p) for p in prompts), body.max_tokens, "max_tokens", "prompt")
         k = body.logprobs or 0
 
         def chunk(rid: str, created: int, d: Delta, offset: int) -> BaseModel:
@@ -114,7 +115,7 @@ class Generation:
                                                                         chunk, whole))
 
     async def chat(self, body: ChatCompletionRequest, raw: HttpRequest) -> Response:
-        self._check_model(body.model)
+        self._check_request(body)
         if self.tokenizer is None:
             raise ApiError(400, "chat needs a tokenizer; the model directory has no tokenizer.json", "messages")
         try:
@@ -125,6 +126,9 @@ class Generation:
             raise ApiError(400, "give max_tokens or max_completion_tokens, not both", "max_tokens")
         room = self.engine.config.resolved_max_model_len - len(prompt)
         max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
+        if max_tokens is not None:
+            self._check_context(len(prompt), max_tokens,
+                                "max_tokens" if body.max_tokens is not None else "max_completion_tokens", "messages")
         k = body.top_logprobs or 0
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
@@ -205,10 +209,24 @@ class Generation:
             self.engine.close(group)
         yield "data: [DONE]\n\n"
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+    def _check_request(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """The model named and the response format: what both routes check before anything else."""
+        if body.model is not None and body.model != self.model_name:
+            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
                            "model", code="model_not_found")
+        if body.response_format is not None and body.response_format.type != "text":
+            raise ApiError(400, f"response_format type {body.response_format.type!r} is not supported; the "
+                           "only type served is 'text' (the default)", "response_format")
+
+    def _check_context(self, num_prompt_tokens: int, max_tokens: int, field: str, prompt_field: str) -> None:
+        """A 400, as vLLM answers, when the prompt and max_tokens together exceed max_model_len; a
+        prompt that leaves no room at all is the engine's error (about the prompt), not this one."""
+        limit = self.engine.engine.config.resolved_max_model_len
+        if num_prompt_tokens < limit < num_prompt_tokens + max_tokens:
+            raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                           f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {prompt_field}, "
+                           f"{max_tokens} in the completion). Reduce the length of the {prompt_field} or {field} "
+                           f"(at most {limit - num_prompt_tokens} here).", field)
 
     def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -234,8 +252,11 @@ class Generation:
             text = self._token_text(token)
             out.tokens.append(text)
             out.token_logprobs.append(alternatives[token])
+            # The sampled token is among the alternatives even outside the top k (k + 1 entries), as
+            # OpenAI and vLLM send it. Tokens of equal text share a key: the likeliest keeps it.
             top: dict[str, float] = {}
-            for t, lp in _top(alternatives, k):  # tokens of equal text share a key: the likeliest keeps it
+            entries = dict(_top(alternatives, k)) | {token: alternatives[token]}
+            for t, lp in sorted(entries.items(), key=lambda item: -item[1]):
                 top.setdefault(self._token_text(t), lp)
             out.top_logprobs.append(top)
             out.text_offset.append(offset)

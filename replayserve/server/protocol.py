@@ -9,6 +9,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from replayserve.engine.request import SamplingParams
 
+# OpenAI's documented limits on the alternatives returned per token (the offline API allows up to
+# the vocabulary): completions' legacy `logprobs` and chat's `top_logprobs`.
+MAX_COMPLETION_LOGPROBS = 5
+MAX_TOP_LOGPROBS = 20
+
 
 class _Request(BaseModel):
     # strict: "5" is not an int, 1 is not a bool; forbid: a field we do not support (logit_bias,
@@ -18,6 +23,14 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+class ResponseFormat(BaseModel):
+    """`{"type": "text"}`, the default, is the only format served; the others' extra fields
+    (json_schema) are let through here so that the refusal names the type, not a sub-field."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
 
 
 class _GenerationRequest(_Request):
@@ -39,6 +52,7 @@ class _GenerationRequest(_Request):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     user: str | None = None  # accepted for compatibility; not used
+    response_format: ResponseFormat | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming `SamplingParams.<field>` for a value out of range."""
@@ -56,23 +70,23 @@ class _GenerationRequest(_Request):
 
 class CompletionRequest(_GenerationRequest):
     """POST /v1/completions. prompt: a string, a list of strings, token ids or a list of them;
-    each prompt gets n choices. logprobs: the top-k log-probabilities of each token (0: only the
-    sampled token's)."""
+    each prompt gets n choices. logprobs: the top-k log-probabilities of each token, k at most
+    `MAX_COMPLETION_LOGPROBS`, and the sampled token's (0: only the sampled token's)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int = 16
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, le=MAX_COMPLETION_LOGPROBS)
 
 
 class ChatCompletionRequest(_GenerationRequest):
     """POST /v1/chat/completions. max_tokens (or max_completion_tokens) left out: up to the
-    model's context length."""
+    model's context length. top_logprobs: at most `MAX_TOP_LOGPROBS`."""
 
     messages: list[dict[str, Any]]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, le=MAX_TOP_LOGPROBS)
 
 
 class Usage(BaseModel):

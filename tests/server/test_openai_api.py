@@ -123,6 +123,51 @@ def test_logprobs_equal_offline(client: OpenAI, offline: LLM) -> None:
         assert math.isclose(entry.top_logprobs[0].logprob, entry.logprob), "greedy samples the most likely token"
 
 
+def test_completion_logprobs_hold_the_sampled_token_outside_the_top_k(client: OpenAI, offline: LLM) -> None:
+    """OpenAI and vLLM put the sampled token among a completion token's top_logprobs even when it
+    is not in the top k (k + 1 entries); chat lists it apart (`content[i]`) and keeps k."""
+    k, hot = 1, {"temperature": 3.0, "seed": 5, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
+    params = SamplingParams(temperature=3.0, seed=5, max_tokens=12, ignore_eos=True, logprobs=k)
+    expected = offline.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
+    ranks = [lp[t].rank for lp, t in zip(expected.logprobs, expected.token_ids, strict=True)]
+    assert any(rank > k for rank in ranks), "a hot temperature samples a token outside the top k"
+    got = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], logprobs=k, **hot).choices[0].logprobs
+    assert len(got.top_logprobs) == len(expected.token_ids)
+    for top, sampled, rank in zip(got.top_logprobs, got.token_logprobs, ranks, strict=True):
+        assert len(top) == (k + 1 if rank > k else k)
+        assert any(math.isclose(v, sampled) for v in top.values())
+
+    want = offline.chat(MESSAGES, params, use_tqdm=False)[0].outputs[0]
+    content = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, logprobs=True, top_logprobs=k,
+                                             **hot).choices[0].logprobs.content
+    for entry, token, lp in zip(content, want.token_ids, want.logprobs, strict=True):
+        assert math.isclose(entry.logprob, lp[token].logprob) and len(entry.top_logprobs) == k
+        assert lp[token].rank > k or math.isclose(entry.top_logprobs[0].logprob, entry.logprob)
+
+
+def test_text_response_format_and_developer_role_are_served(client: OpenAI, offline: LLM) -> None:
+    """`response_format={"type": "text"}` is the default spelled out; a developer message renders as
+    a system one, as OpenAI treats it."""
+    as_system = offline.chat(MESSAGES, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                             use_tqdm=False)[0]
+    as_developer = [{**MESSAGES[0], "role": "developer"}, *MESSAGES[1:]]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=as_developer, max_tokens=6, temperature=0,
+                                          response_format={"type": "text"}, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == as_system.text
+    assert chat.usage.prompt_tokens == len(as_system.prompt_token_ids)
+    completion = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=3, temperature=0,
+                                           extra_body={"response_format": {"type": "text"}})
+    assert completion.choices[0].finish_reason in ("length", "stop")
+
+
+def test_chat_without_max_tokens_runs_to_the_context_length(client: OpenAI, server: RunningServer) -> None:
+    room = server.llm.config.resolved_max_model_len - len(server.llm.chat_template.prompt_ids(
+        MESSAGES, server.llm.get_tokenizer()))
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == room and chat.choices[0].finish_reason == "length"
+
+
 def test_models_health_and_metrics(client: OpenAI, server: RunningServer) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
     assert httpx.get(f"{server.base_url}/health").status_code == 200
