@@ -10,6 +10,7 @@ import pytest
 
 from replayserve import LLM, SamplingParams
 from replayserve.config import ConfigError
+from replayserve.engine.request import FLOAT32_MAX, FLOAT32_TINY
 from replayserve.models.loader import CheckpointError
 from tests.conftest import assert_pools_full
 
@@ -71,11 +72,44 @@ def test_bad_prompt_is_rejected_and_engine_still_serves(llm: LLM, prompt, messag
         ({"logprobs": -2}, "logprobs"),
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-3]}, "stop_token_ids"),
+        # Values float32 (the sampling dtype) rounds to 0 or inf: repetition_penalty=1e-300 divided
+        # the logits by 0 and sampled token 0 forever.
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+        ({"repetition_penalty": 1e-39}, "repetition_penalty"),  # a float32 subnormal
+        ({"repetition_penalty": 1e300}, "repetition_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"presence_penalty": 1e-300}, "presence_penalty"),
+        ({"frequency_penalty": -1e-300}, "frequency_penalty"),
+        ({"min_p": 1e-300}, "min_p"),
+        ({"temperature": 1e300}, "temperature"),
+        ({"temperature": 10**400}, "temperature"),  # too large for a float: used to raise OverflowError
     ],
 )
 def test_invalid_sampling_values_name_the_option(kwargs: dict, option: str) -> None:
-    with pytest.raises(ValueError, match=f"SamplingParams.{option}"):
+    with pytest.raises(ValueError, match=f"SamplingParams.{option}") as caught:
         SamplingParams(**kwargs)
+    assert len(str(caught.value)) < 400  # the value is shown, cut short
+
+
+@pytest.mark.parametrize(
+    ("option", "allowed"),
+    [
+        ("repetition_penalty", r"a number in \[1.18e-38, 3.4e\+38\], 1 for off \(float32"),
+        ("presence_penalty", r"0 \(off\) or a number in \[-2, 2\] at least 1.18e-38 in magnitude \(float32"),
+        ("frequency_penalty", r"0 \(off\) or a number in \[-2, 2\] at least 1.18e-38 in magnitude"),
+        ("min_p", r"0 \(off\) or a number in \[1.18e-38, 1\]"),
+        ("top_p", r"a number in \[1.18e-38, 1\]"),
+    ],
+)
+def test_float32_bounds_are_named_and_the_printed_ones_accepted(option: str, allowed: str) -> None:
+    with pytest.raises(ValueError, match=f"SamplingParams.{option} must be {allowed}"):
+        SamplingParams(**{option: 1e-300})
+    SamplingParams(**{option: 1.18e-38})  # the bounds as printed, and float32's own, are accepted
+    SamplingParams(**{option: FLOAT32_TINY})
+    if option == "repetition_penalty":
+        SamplingParams(repetition_penalty=3.4e38)
+        SamplingParams(repetition_penalty=FLOAT32_MAX)
 
 
 def test_mismatched_params_list_is_rejected(llm: LLM) -> None:

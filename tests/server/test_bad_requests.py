@@ -40,6 +40,8 @@ CASES = [
     ("completions", {"prompt": [1, -2]}, 400, "prompt"),
     ("completions", {"prompt": [1, 100000]}, 400, "prompt"),
     ("completions", {"prompt": TOO_LONG}, 400, "prompt"),
+    ("completions", {"prompt": "Hi", "repetition_penalty": 1e-300}, 400, "repetition_penalty"),
+    ("completions", {"prompt": "Hi", "presence_penalty": 1e-300}, 400, "presence_penalty"),
     ("chat/completions", {"messages": []}, 400, "messages"),
     ("chat/completions", {"messages": "Hi"}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
