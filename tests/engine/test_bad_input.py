@@ -32,8 +32,13 @@ def llm(tiny_model_dir: Path) -> LLM:
         ({"prompt_token_ids": [5, -1]}, "ints in"),
         ({"prompt_token_ids": [5, 10**9]}, "ints in"),
         ({"prompt_token_ids": [5, 1.5]}, "ints in"),
-        ({"tokens": [5]}, "a prompt is a string"),
-        (42, "a prompt is a string"),
+        ({"tokens": [5]}, r"prompts\[1\] must be a string, \{'prompt': str\} or \{'prompt_token_ids'"),
+        (42, r"prompts\[1\] must be a string.*got 42 \(int\)"),
+        (None, r"prompts\[1\] must be a string.*got None"),
+        (b"Hi", r"prompts\[1\] must be a string.*b'Hi' \(bytes\): bytes are not accepted; decode them"),
+        ({"prompt": 5}, r"prompts\[1\]\['prompt'\] must be a string"),
+        ("Hi \ud800", r"prompts\[1\] is not valid Unicode: '\\ud800' at index 3 is a lone surrogate"),
+        ({"prompt": "\udfff"}, r"prompts\[1\]\['prompt'\] is not valid Unicode"),
     ],
 )
 def test_bad_prompt_is_rejected_and_engine_still_serves(llm: LLM, prompt, message: str) -> None:
@@ -43,6 +48,39 @@ def test_bad_prompt_is_rejected_and_engine_still_serves(llm: LLM, prompt, messag
         llm.generate([GOOD, prompt], PARAMS, use_tqdm=False)
     assert_pools_full(llm)
     assert llm.generate(GOOD, PARAMS, use_tqdm=False)[0].token_ids == expected
+    assert_pools_full(llm)
+
+
+@pytest.mark.parametrize(
+    ("prompts", "message"),
+    [
+        (None, "prompts must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}, or a list of them; "
+         "got None (NoneType)"),
+        # The bytes used to be iterated as prompts: "a prompt is a string ..., got 104".
+        (b"hello", "got b'hello' (bytes): bytes are not accepted; decode them to a string first"),
+        (bytearray(b"hello"), "bytes are not accepted"),
+        (5, "got 5 (int)"),
+    ],
+)
+def test_a_prompt_argument_of_no_accepted_form_says_what_is_accepted(llm: LLM, prompts, message: str) -> None:
+    with pytest.raises(ValueError, match="prompts must be a string") as caught:
+        llm.generate(prompts, PARAMS, use_tqdm=False)
+    assert message in str(caught.value)
+    assert_pools_full(llm)
+
+
+def test_a_text_prompt_dict_is_its_string(llm: LLM) -> None:
+    """vLLM's TextPrompt, {"prompt": str}, generates as the string does and reports it as the prompt."""
+    as_str, as_dict = llm.generate(["Hi there", {"prompt": "Hi there"}], PARAMS, use_tqdm=False)
+    assert as_dict.prompt == as_str.prompt == "Hi there"
+    assert as_dict.prompt_token_ids == as_str.prompt_token_ids and as_dict.token_ids == as_str.token_ids
+
+
+def test_a_lone_surrogate_in_a_chat_message_names_the_message(llm: LLM) -> None:
+    """It used to reach the tokenizer, which raised a bare TypeError (a 500 in the server)."""
+    chat = [{"role": "user", "content": "Hi"}, {"role": "user", "content": "a\ud83dz"}]
+    with pytest.raises(ValueError, match=r"messages\[1\]\.content is not valid Unicode: '\\ud83d' at index 1"):
+        llm.chat(chat, PARAMS, use_tqdm=False)
     assert_pools_full(llm)
 
 
