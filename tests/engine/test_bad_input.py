@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from replayserve import LLM, SamplingParams
-from replayserve.config import ConfigError
+from replayserve.config import ALLOW_LONG_MAX_MODEL_LEN, ConfigError
 from replayserve.engine.request import FLOAT32_MAX, FLOAT32_TINY
 from replayserve.models.loader import CheckpointError
 from tests.conftest import assert_pools_full
@@ -195,6 +195,12 @@ def test_missing_directory_and_config(tmp_path: Path, tiny_model_dir: Path) -> N
         (lambda c: {**c, "quantization_config": {"bits": 4}}, ConfigError, "unsupported keys.*quantization_config"),
         (lambda c: {**c, "layers_block_type": ["linear_attention", "conv"]}, ConfigError, "conv"),
         (lambda c: {**c, "model_type": "llama"}, ConfigError, "model_type"),
+        (lambda c: {k: v for k, v in c.items() if k != "model_type"}, ConfigError, "config.json has no model_type"),
+        (lambda c: {**c, "eos_token_id": c["vocab_size"]}, ConfigError,
+         r"eos_token_id: .*\[512\]; token ids must be < vocab_size=512"),
+        (lambda c: {**c, "eos_token_id": [2, -1]}, ConfigError, "eos_token_id: must be >= 0"),
+        (lambda c: {**c, "max_position_embeddings": 1}, ConfigError, "max_position_embeddings: must be >= 2, got 1"),
+
         (lambda c: {**c, "mlp_hidden_act": "gelu"}, ConfigError, "mlp_hidden_act"),
         (lambda c: {**c, "n_groups": 3}, ConfigError, "n_groups"),
         (lambda c: {**c, "hidden_size": 64}, CheckpointError, "shape"),
@@ -206,6 +212,21 @@ def test_malformed_config(tmp_path: Path, tiny_model_dir: Path, edit, error, mes
     (d / "config.json").write_text(edited if isinstance(edited, str) else json.dumps(edited))
     with pytest.raises(error, match=message):
         LLM(model=str(d), dtype="float32")
+
+
+def test_max_model_len_above_the_model_s_positions_needs_the_override(tiny_model_dir: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """As in vLLM (VLLM_ALLOW_LONG_MAX_MODEL_LEN): refused naming both values, unless the environment allows it."""
+    monkeypatch.delenv(ALLOW_LONG_MAX_MODEL_LEN, raising=False)
+    with pytest.raises(ConfigError, match="engine option max_model_len: 1025 is above the model's "
+                       f"max_position_embeddings=1024 .*set {ALLOW_LONG_MAX_MODEL_LEN}=1"):
+        LLM(model=str(tiny_model_dir), dtype="float32", max_num_seqs=1, max_model_len=1025)
+    monkeypatch.setenv(ALLOW_LONG_MAX_MODEL_LEN, "1")
+    with caplog.at_level("WARNING", logger="replayserve.config"):
+        llm = LLM(model=str(tiny_model_dir), dtype="float32", max_num_seqs=1, max_model_len=1025)
+    assert llm.config.resolved_max_model_len == 1025
+    assert "max_model_len=1025 is above the model's max_position_embeddings=1024" in caplog.text
 
 
 def test_malformed_weights(tmp_path: Path, tiny_model_dir: Path) -> None:
