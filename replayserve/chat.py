@@ -11,7 +11,7 @@ from typing import Any
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from replayserve.tokenizer import Tokenizer
+from replayserve.tokenizer import Tokenizer, check_unicode
 
 # Used when the model directory has no chat template: each message as a role line and its
 # content, then the assistant's role line when a reply is to be generated.
@@ -90,6 +90,7 @@ def check_messages(messages: Sequence[Message]) -> None:
             raise ValueError(f"messages[{i}] must be a dict with a string 'role' and a string 'content', got {m!r:.80}")
         if m["role"] not in ROLES:
             raise ValueError(f"messages[{i}]: role {m['role']!r} is not one of {ROLES}")
+        check_unicode(m["content"], f"messages[{i}].content")
 
 
 def _raise(message: str) -> None:

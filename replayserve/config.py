@@ -8,7 +8,9 @@ what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,8 +34,13 @@ from replayserve.model_config import (
 __all__ = ["ATTENTION", "DTYPES", "MAMBA", "MAMBA_CACHE_MODES", "MLP", "MOE", "PATTERN_CHARS", "SSM_BACKENDS",
            "ConfigError", "EngineConfig", "ModelConfig", "SpeculativeConfig"]
 
+logger = logging.getLogger(__name__)
 
 SPEC_METHODS = ("ngram", "draft", "mtp", "custom")
+# Set to 1, max_model_len may exceed the model's max_position_embeddings (with a warning), as
+# vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN allows: Nemotron-H has no position embeddings to run out
+# of, but the model was not trained on longer sequences.
+ALLOW_LONG_MAX_MODEL_LEN = "REPLAYSERVE_ALLOW_LONG_MAX_MODEL_LEN"
 
 
 @dataclass(frozen=True)
@@ -166,6 +173,15 @@ class EngineConfig:
                  f"block_size={self.block_size}")
         if self.resolved_max_model_len < 2:
             fail("max_model_len", f"must be >= 2, got {self.resolved_max_model_len}")
+        positions = self.model.max_position_embeddings
+        if self.resolved_max_model_len > positions:
+            if os.environ.get(ALLOW_LONG_MAX_MODEL_LEN) != "1":
+                fail("max_model_len", f"{self.resolved_max_model_len} is above the model's max_position_embeddings="
+                     f"{positions} (config.json), the longest sequence it was trained for; lower max_model_len, "
+                     f"or set {ALLOW_LONG_MAX_MODEL_LEN}=1 to run longer sequences anyway")
+            logger.warning("max_model_len=%d is above the model's max_position_embeddings=%d (allowed by %s=1): "
+                           "outputs past %d tokens may be wrong", self.resolved_max_model_len, positions,
+                           ALLOW_LONG_MAX_MODEL_LEN, positions)
         if self.resolved_num_kv_blocks < self.blocks_per_seq:
             fail("num_kv_blocks", f"{self.resolved_num_kv_blocks} blocks of {self.block_size} tokens cannot "
                  f"hold one sequence of max_model_len={self.resolved_max_model_len}; "

@@ -21,11 +21,13 @@ from replayserve.models.loader import load_model
 from replayserve.outputs import CompletionOutput, RequestOutput, to_logprobs
 from replayserve.speculative.draft import DraftModelProposer
 from replayserve.tiny_code import resolve_model
-from replayserve.tokenizer import Tokenizer
+from replayserve.tokenizer import Tokenizer, check_unicode
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | dict[str, Any]
+# The prompt forms `generate` takes, as vLLM spells them (a string, TextPrompt, TokensPrompt).
+PROMPT_FORMS = "a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}"
 
 TORCH_DTYPES = {
     "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -140,18 +142,25 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+    def _prompt_ids(self, prompt: Prompt, name: str) -> list[int]:
+        """The token ids of one prompt; `name` is what an error calls it ("prompt", "prompts[3]")."""
+        if isinstance(prompt, dict) and set(prompt) == {"prompt"}:
+            prompt = prompt["prompt"]
+            name += "['prompt']"
+            if not isinstance(prompt, str):
+                raise ValueError(f"{name} must be a string, got {prompt!r:.80}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; the model directory has no tokenizer.json "
                                  "(pass {'prompt_token_ids': [...]} instead)")
+            check_unicode(prompt, name)
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and set(prompt) == {"prompt_token_ids"}:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, list | tuple):
-                raise ValueError("prompt_token_ids must be a list of ints")
+                raise ValueError(f"{name}['prompt_token_ids'] must be a list of ints")
             return list(ids)
-        raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {prompt!r:.80}")
+        raise ValueError(f"{name} must be {PROMPT_FORMS}; got {_describe(prompt)}")
 
     def get_metrics(self) -> dict[str, float]:
         """Engine counters since start: prefix-cache queries and hits in tokens (overall, and per
@@ -219,12 +228,16 @@ class LLM:
         before any is admitted. Requests share cached prefixes only with requests of the same
         ``cache_salt``."""
         if isinstance(prompts, str | dict):
-            prompts = [prompts]
+            prompts, names = [prompts], ["prompt"]
+        elif isinstance(prompts, bytes | bytearray | memoryview) or not isinstance(prompts, Sequence):
+            raise ValueError(f"prompts must be {PROMPT_FORMS}, or a list of them; got {_describe(prompts)}")
+        else:
+            names = [f"prompts[{i}]" for i in range(len(prompts))]
         params = sampling_params or SamplingParams()
         all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(all_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(all_params)} SamplingParams")
-        ids = [self._prompt_ids(p) for p in prompts]
+        ids = [self._prompt_ids(p, name) for p, name in zip(prompts, names, strict=True)]
         for prompt_ids, p in zip(ids, all_params, strict=True):
             self.engine.validate(prompt_ids, p)
         requests: list[list[Request]] = []
@@ -256,5 +269,14 @@ def _output(prompt: Prompt, group: list[Request], tokenizer: Tokenizer | None) -
     if first.params.prompt_logprobs is not None and not first.needs_prompt_logprobs:  # an abort leaves them out
         prompt_logprobs = [None, *to_logprobs(first.prompt_logprobs, first.prompt_token_ids[1:], first.prompt_ranks,
                                               decode)]
-    return RequestOutput(first.request_id, prompt if isinstance(prompt, str) else None, first.prompt_token_ids,
+    text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+    return RequestOutput(first.request_id, text, first.prompt_token_ids,
                          completions, finished=True, prompt_logprobs=prompt_logprobs)
+
+
+def _describe(value: object) -> str:
+    """A refused prompt as an error shows it: bytes are named as such (they are not text until decoded)."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return (f"{bytes(value)!r:.40} ({type(value).__name__}): bytes are not accepted; decode them to a string "
+                "first (.decode())")
+    return f"{value!r:.80} ({type(value).__name__})"

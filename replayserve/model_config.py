@@ -59,10 +59,13 @@ class ConfigError(ValueError):
 # config.json keys of the fields whose name differs.
 _HF_KEYS = {"layer_types": "layers_block_type", "mtp_layer_types": "mtp_layers_block_type",
             "eos_token_ids": "eos_token_id"}
-# Sizes and counts are at least 1 (None where optional), token ids at least 0.
+# Sizes and counts are at least 1 (None where optional), token ids at least 0. A context of one
+# position holds a prompt token but no generated one: max_position_embeddings is at least 2, as
+# the engine's max_model_len (which it defaults and bounds) is.
 _MODEL_MINIMUMS = {
+    "max_position_embeddings": 2,
     **dict.fromkeys(("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "max_position_embeddings", "intermediate_size", "mamba_num_heads", "mamba_head_dim",
+                     "intermediate_size", "mamba_num_heads", "mamba_head_dim",
                      "ssm_state_size", "n_groups", "chunk_size", "n_routed_experts", "num_experts_per_tok",
                      "moe_intermediate_size", "moe_shared_expert_intermediate_size", "moe_latent_size", "n_group",
                      "topk_group"), 1),
@@ -148,6 +151,9 @@ class ModelConfig:
             (self.num_experts_per_tok <= self.topk_group * experts_per_group, "num_experts_per_tok",
              f"{self.num_experts_per_tok} > the {self.topk_group * experts_per_group} experts of topk_group="
              f"{self.topk_group} groups of n_routed_experts / n_group = {experts_per_group}"),
+            # An EOS the model cannot emit never ends a request, and min_tokens' ban would index past the logits.
+            (all(t < self.vocab_size for t in self.eos_token_ids), "eos_token_ids",
+             f"{list(self.eos_token_ids)}; token ids must be < vocab_size={self.vocab_size}"),
             (self.num_nextn_predict_layers in (0, 1), "num_nextn_predict_layers",
              f"{self.num_nextn_predict_layers}; one MTP step (1) or none (0)"),
             (not self.num_nextn_predict_layers
@@ -178,7 +184,10 @@ class ModelConfig:
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Builds the config from a parsed `config.json`; unknown keys are an error."""
         hf = {_LEGACY_HF_KEYS.get(k, k): v for k, v in raw.items() if k not in _IGNORED_HF_KEYS}
-        if raw.get("model_type", "nemotron_h") != "nemotron_h":
+        if "model_type" not in raw:  # transformers' AutoConfig cannot read such a config either
+            raise ConfigError("config.json has no model_type; this engine runs Nemotron-H checkpoints only, "
+                              "which declare \"model_type\": \"nemotron_h\"")
+        if raw["model_type"] != "nemotron_h":
             raise ConfigError(f"model_type {raw['model_type']!r} is not supported; only 'nemotron_h'")
         _check_residual_in_fp32(hf.pop("residual_in_fp32", False))
         mtp_types = _str_list(hf, "mtp_layers_block_type")

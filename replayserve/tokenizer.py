@@ -27,6 +27,7 @@ class Tokenizer:
         return self._tok.get_vocab_size()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        check_unicode(text, "the text to tokenize")  # callers that know the field check it first
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
@@ -35,3 +36,14 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         """One token's text, special tokens included (a logprob's `decoded_token`)."""
         return self._tok.decode([token_id], skip_special_tokens=False)
+
+
+def check_unicode(text: str, field: str) -> None:
+    """Raises ValueError naming `field` when `text` holds a lone surrogate (such as "\\ud800", which
+    a JSON escape or a Python literal can make): it is half of a UTF-16 pair, not a character, so
+    UTF-8 cannot encode it and the tokenizer would fail with a bare TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{field} is not valid Unicode: {text[e.start]!r} at index {e.start} is a lone "
+                         "surrogate (half of a UTF-16 pair); send text that is valid UTF-8") from None

@@ -9,7 +9,7 @@ import typing
 
 import pytest
 
-from replayserve.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
+from replayserve.config import ALLOW_LONG_MAX_MODEL_LEN, ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
 from replayserve.tiny import tiny_config
 
 BASE = tiny_config()  # M*-ME: 4 attention heads over 2 KV heads, 8 Mamba heads in 2 groups, 4 experts
@@ -65,6 +65,11 @@ def test_speculative_fields_check_their_type(field: str) -> None:
         ({"eos_token_id": [2, True]}, "eos_token_id", "must be list of int"),
         ({"eos_token_id": -1}, "eos_token_id", ">= 0"),
         ({"pad_token_id": -1}, "pad_token_id", ">= 0"),
+        ({"eos_token_id": [2, -3]}, "eos_token_id", ">= 0"),
+        # Token ids the model cannot emit: EOS never ends a request, and min_tokens' ban indexes past the logits.
+        ({"eos_token_id": 512}, "eos_token_id", r"\[512\]; token ids must be < vocab_size=512"),
+        ({"eos_token_id": [2, 9999]}, "eos_token_id", r"\[2, 9999\]; token ids must be < vocab_size=512"),
+        ({"max_position_embeddings": 1}, "max_position_embeddings", ">= 2, got 1"),
         ({"layers_block_type": "M*-ME"}, "layers_block_type", "list of strings"),
         ({"num_experts_per_tok": 0}, "num_experts_per_tok", ">= 1"),
         ({"n_groups": 0}, "n_groups", ">= 1"),
@@ -97,6 +102,30 @@ def test_accepted_model_values() -> None:
     assert (cfg.layer_norm_epsilon, cfg.routed_scaling_factor, cfg.time_step_min) == (1, 2, 0)
     assert cfg.eos_token_ids == (2, 3) and cfg.pad_token_id is None and cfg.num_experts_per_tok == 8
     assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+
+
+def test_a_config_without_model_type_is_refused() -> None:
+    """It used to default to nemotron_h: any config.json with the right keys loaded as one."""
+    raw = BASE.to_hf_dict()
+    del raw["model_type"]
+    with pytest.raises(ConfigError, match="config.json has no model_type; .*\"model_type\": \"nemotron_h\""):
+        ModelConfig.from_hf_dict(raw)
+
+
+def test_max_model_len_is_bounded_by_max_position_embeddings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ALLOW_LONG_MAX_MODEL_LEN, raising=False)
+    small = dataclasses.replace(BASE, max_position_embeddings=64)
+    assert EngineConfig(model=small, max_model_len=64).resolved_max_model_len == 64
+    assert EngineConfig(model=small).resolved_max_model_len == 64
+    with pytest.raises(ConfigError, match="engine option max_model_len: 65 is above the model's "
+                       "max_position_embeddings=64"):
+        EngineConfig(model=small, max_model_len=65)
+    for refused in ("0", "true", ""):  # only "1" allows it, as vLLM reads its variable
+        monkeypatch.setenv(ALLOW_LONG_MAX_MODEL_LEN, refused)
+        with pytest.raises(ConfigError, match="max_model_len"):
+            EngineConfig(model=small, max_model_len=65)
+    monkeypatch.setenv(ALLOW_LONG_MAX_MODEL_LEN, "1")
+    assert EngineConfig(model=small, max_model_len=65).resolved_max_model_len == 65
 
 
 def test_residual_in_fp32_true_is_read_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:

@@ -2,7 +2,9 @@
 step's logits before sampling (greedy rows included, as in vLLM).
 
 For a row with output tokens o and prompt tokens q, on the raw logits x:
-- repetition_penalty r (1 = off): for every token in q or o, x / r where x > 0, x * r elsewhere;
+- repetition_penalty r (1 = off): for every token in q or o, x / r where x > 0, x * r elsewhere,
+  clamped to the dtype's finite range (a small r overflows x / r to inf, and the sampler's
+  x - max(x) then gives inf - inf = NaN probabilities);
 - frequency_penalty f: x - f * count of the token in o;
 - presence_penalty p: x - p for every token that occurs in o;
 - min_tokens m: while len(o) < m, the stop token ids and (unless ignore_eos) EOS are -inf.
@@ -73,7 +75,8 @@ def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
     x = logits.to(penalties.repetition.dtype).clone()
     rows = x[penalties.rows]
     r = penalties.repetition
-    repeated = torch.where(rows > 0, rows / r, rows * r)
+    largest = torch.finfo(x.dtype).max
+    repeated = torch.where(rows > 0, rows / r, rows * r).clamp(-largest, largest)
     rows = torch.where(penalties.seen, repeated, rows)
     rows = rows - penalties.frequency * penalties.output_counts - penalties.presence * (penalties.output_counts > 0)
     x[penalties.rows] = rows.masked_fill(penalties.banned, -torch.inf)

@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 from dataclasses import dataclass, field
 
+# Sampling computes in float32 (float64 only for float64 logits), so every float option must be a
+# value float32 holds: a smaller magnitude than its smallest normal number rounds to 0 (or keeps a
+# few bits as a subnormal), a larger one than its largest to inf. Either turns a penalty or a
+# temperature into a division by 0 or inf: repetition_penalty=1e-300 sampled token 0 forever.
+FLOAT32_TINY = 2.0**-126
+FLOAT32_MAX = (2 - 2.0**-23) * 2.0**127
 # Below this the temperature-scaled logits overflow float32; 0 means greedy.
 MIN_TEMPERATURE = 1e-5
-# The smallest normal float32: the sampler filters in float32, where a smaller top_p rounds to 0.
-MIN_TOP_P = 1.2e-38
+MIN_TOP_P = FLOAT32_TINY
 MAX_SEED = 2**64 - 1
+# The float32 range as refusals print it (rounded inwards: the printed bounds are accepted).
+_TINY, _MAX = f"{FLOAT32_TINY:.3g}", f"{FLOAT32_MAX:.2g}"
+_WHY = " (float32, which sampling computes in, rounds smaller magnitudes to 0 and larger ones to inf)"
 
 
 def _is_int(value: object) -> bool:
@@ -20,6 +27,22 @@ def _is_int(value: object) -> bool:
 
 def _is_real(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _real_in(value: object, low: float, high: float) -> bool:
+    """A real number in [low, high]. Compared, never converted: NaN fails, and an int too large
+    for a float compares exactly (math.isfinite(10**400) raises OverflowError)."""
+    return _is_real(value) and low <= value <= high  # type: ignore[operator]
+
+
+def _float32_holds(value: float) -> bool:
+    """0, or a magnitude float32 holds as a normal number."""
+    return value == 0 or FLOAT32_TINY <= abs(value) <= FLOAT32_MAX
+
+
+def _penalty_ok(value: object) -> bool:
+    """presence_penalty / frequency_penalty: 0 (off) or a float32-held number in [-2, 2]."""
+    return _real_in(value, -2, 2) and _float32_holds(value)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -69,11 +92,11 @@ class SamplingParams:
             object.__setattr__(self, option, tuple(value))
         t, p = self.temperature, self.top_p
         checks = [
-            (_is_real(t) and math.isfinite(t) and (t == 0 or t >= MIN_TEMPERATURE), "temperature",
-             f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}"),
+            (_real_in(t, 0, FLOAT32_MAX) and (t == 0 or t >= MIN_TEMPERATURE), "temperature",
+             f"must be 0 (greedy) or a number in [{MIN_TEMPERATURE}, {_MAX}]"),
             (_is_int(self.top_k) and (self.top_k in (-1, 0) or self.top_k >= 1), "top_k",
              "must be an int: -1 or 0 (off) or >= 1"),
-            (_is_real(p) and MIN_TOP_P <= p <= 1, "top_p", f"must be a number in [{MIN_TOP_P}, 1]"),
+            (_real_in(p, MIN_TOP_P, 1), "top_p", f"must be a number in [{_TINY}, 1]{_WHY}"),
             (self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED), "seed",
              "must be None or an int in [0, 2**64)"),
             (_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an int >= 1"),
@@ -88,18 +111,19 @@ class SamplingParams:
             (_is_int(self.n) and self.n >= 1, "n", "must be an int >= 1"),
             (_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
              f"must be an int in [0, max_tokens={self.max_tokens}]"),
-            (_is_real(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
-             "must be a number in [-2, 2]"),
-            (_is_real(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
-             "must be a number in [-2, 2]"),
-            (_is_real(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
-             and self.repetition_penalty > 0, "repetition_penalty", "must be a finite number > 0 (1 is off)"),
-            (_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be a number in [0, 1]"),
+            (_penalty_ok(self.presence_penalty), "presence_penalty",
+             f"must be 0 (off) or a number in [-2, 2] at least {_TINY} in magnitude{_WHY}"),
+            (_penalty_ok(self.frequency_penalty), "frequency_penalty",
+             f"must be 0 (off) or a number in [-2, 2] at least {_TINY} in magnitude{_WHY}"),
+            (_real_in(self.repetition_penalty, FLOAT32_TINY, FLOAT32_MAX), "repetition_penalty",
+             f"must be a number in [{_TINY}, {_MAX}], 1 for off{_WHY}"),
+            (_real_in(self.min_p, 0, 1) and _float32_holds(self.min_p), "min_p",
+             f"must be 0 (off) or a number in [{_TINY}, 1]{_WHY}"),
             (isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output", "must be a bool"),
         ]
         for ok, option, why in checks:
             if not ok:
-                raise ValueError(f"SamplingParams.{option} {why}, got {getattr(self, option)!r}")
+                raise ValueError(f"SamplingParams.{option} {why}, got {getattr(self, option)!r:.80}")
         if self.top_k == 0:
             object.__setattr__(self, "top_k", -1)
 

@@ -110,8 +110,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
 
     With `tie_word_embeddings: true` the embedding matrix is the LM head, unless the checkpoint
     stores its own `lm_head.weight`: then that one is used (with a warning naming its file), as
-    transformers 5.24 does, whose Nemotron-H never ties. Every tensor must be finite once cast to
-    `dtype`: a NaN or Inf (or a value `dtype` cannot hold) is an error naming the tensor.
+    transformers 5.24 does, whose Nemotron-H never ties. Every tensor must be floating-point and
+    finite once cast to `dtype`: an integer tensor, a NaN or Inf (or a value `dtype` cannot hold) is
+    an error naming the tensor.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -144,6 +145,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
             continue
         if shard is not None:
             tensor = shard.slice(name, tensor)
+        if target.is_floating_point() and not tensor.is_floating_point():
+            # copy_ would cast it without a word: an integer A_log is a truncated (or quantized) tensor
+            raise CheckpointError(f"checkpoint tensor {name} in {path} has dtype {tensor.dtype}; the model needs "
+                                  "floating-point weights (float32, bfloat16, float16 or float64)")
         if tuple(tensor.shape) != tuple(target.shape):
             raise CheckpointError(
                 f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the config implies {tuple(target.shape)}"

@@ -40,7 +40,7 @@ from replayserve.server.protocol import (
     Usage,
     error_body,
 )
-from replayserve.tokenizer import Tokenizer
+from replayserve.tokenizer import Tokenizer, check_unicode
 
 # Seconds a client told 429 is asked to wait: about what a batch of short requests takes.
 RETRY_AFTER_S = 1
@@ -240,6 +240,11 @@ class Generation:
         if self.tokenizer is None:
             raise ApiError(400, "text prompts need a tokenizer; the model directory has no tokenizer.json "
                            "(send token ids instead)", "prompt")
+        for i, text in enumerate(prompt):
+            try:
+                check_unicode(text, "prompt" if len(prompt) == 1 else f"prompt[{i}]")  # type: ignore[arg-type]
+            except ValueError as e:
+                raise ApiError(400, str(e), "prompt") from e
         return [self.tokenizer.encode(p) for p in prompt]  # type: ignore[arg-type]
 
     def _token_text(self, token_id: int) -> str:

@@ -12,7 +12,8 @@ import torch
 
 from replayserve import LLM, SamplingParams
 from replayserve.engine.penalties import Penalties, apply_penalties, apply_penalties_ref
-from replayserve.engine.sampler import SamplingBatch, filter_logits, filter_ref
+from replayserve.engine.request import FLOAT32_TINY
+from replayserve.engine.sampler import SamplingBatch, filter_logits, filter_ref, sample
 
 F64 = torch.float64
 VOCAB = 50
@@ -41,6 +42,21 @@ def test_batched_penalties_equal_the_reference() -> None:
     assert torch.isinf(got[2, 7]) and torch.isinf(got[2, 1]) and not torch.isinf(got[3, 1])
     assert torch.equal(got[1], logits[1])
     assert Penalties.build([SamplingParams()], [0], [([1], [2])], eos, VOCAB, F64, logits.device) is None
+
+
+def test_the_smallest_repetition_penalty_samples_the_repeated_tokens() -> None:
+    """float32 logits: a seen positive logit divided by r = float32's smallest normal overflows to
+    inf, and inf - inf gave NaN probabilities, from which the sampler drew token 0 every time (as
+    r = 1e-300, which float32 rounds to 0, did before SamplingParams refused it). Clamped, the
+    repeated positive tokens (1 and 2) share the mass."""
+    logits = torch.tensor([[-1.0, 5.0, 4.0, -4.0, 0.5]])  # 4 / 2**-126 = 2**128 > float32 max
+    params = SamplingParams(temperature=1.0, repetition_penalty=FLOAT32_TINY)
+    penalties = Penalties.build([params], [0], [([1, 2, 3], [])], [], 5, torch.float32, logits.device)
+    assert penalties is not None
+    assert torch.isfinite(apply_penalties(logits, penalties)).all()
+    drawn = {sample(logits, [params], [torch.Generator().manual_seed(seed)], histories=[([1, 2, 3], [])])[0].token
+             for seed in range(32)}
+    assert drawn == {1, 2}
 
 
 @pytest.mark.parametrize("min_p", [0.05, 0.3, 1.0])

@@ -109,3 +109,12 @@ def test_non_finite_weight_names_the_tensor(model_dir: Path, state: dict, value:
     save_file({**state, name: bad}, str(model_dir / "model.safetensors"))
     with pytest.raises(CheckpointError, match=rf"{name} in .*model\.safetensors {why}"):
         load_model(model_dir, dtype, CPU)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_integer_weight_names_the_tensor(model_dir: Path, state: dict, dtype: torch.dtype) -> None:
+    """copy_ would cast it to the model dtype without a word: an integer A_log loaded as whole numbers."""
+    name = "backbone.layers.0.mixer.A_log"
+    save_file({**state, name: state[name].round().to(dtype)}, str(model_dir / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"{name} in .*model\.safetensors has dtype {dtype}; .*floating-point"):
+        load_model(model_dir, torch.float32, CPU)

@@ -46,6 +46,11 @@ CASES = [
     ("completions", {"prompt": [1, -2]}, 400, "prompt"),
     ("completions", {"prompt": [1, 100000]}, 400, "prompt"),
     ("completions", {"prompt": TOO_LONG}, 400, "prompt"),
+    # A lone surrogate (JSON's "\ud800" escape) used to reach the tokenizer: a TypeError and a 500.
+    ("completions", {"prompt": "Hi \ud800"}, 400, "prompt"),
+    ("completions", {"prompt": ["Hi", "\udfff"]}, 400, "prompt"),
+    ("completions", {"prompt": "Hi", "repetition_penalty": 1e-300}, 400, "repetition_penalty"),
+    ("completions", {"prompt": "Hi", "presence_penalty": 1e-300}, 400, "presence_penalty"),
     ("chat/completions", {"messages": []}, 400, "messages"),
     ("chat/completions", {"messages": "Hi"}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
@@ -60,6 +65,9 @@ CASES = [
      "response_format"),
     ("chat/completions", {"messages": CHAT, "max_tokens": 3, "max_completion_tokens": 3}, 400, "max_tokens"),
     ("chat/completions", {"messages": [{"role": "user", "content": "Hi " * 1100}]}, 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi \ud800"}]}, 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, 400,
+     "messages"),
 ]
 
 
@@ -127,3 +135,18 @@ def test_max_tokens_that_just_fits_the_context_is_served(server: RunningServer) 
     assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == 4
     over = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": prompt, "max_tokens": 5}, timeout=30)
     assert over.status_code == 400 and over.json()["error"]["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize(("endpoint", "body", "names"), [
+    ("completions", {"prompt": "Hi \ud800"}, "prompt is not valid Unicode: '\\ud800' at index 3"),
+    ("completions", {"prompt": ["Hi", "a\udfff"]}, "prompt[1] is not valid Unicode: '\\udfff' at index 1"),
+    ("chat/completions", {"messages": [*CHAT, {"role": "user", "content": "\ud800"}]},
+     "messages[1].content is not valid Unicode"),
+])
+def test_a_lone_surrogate_names_the_text_that_holds_it(server: RunningServer, endpoint: str, body: dict,
+                                                       names: str) -> None:
+    # json.dumps escapes the surrogate as JSON allows ("\\ud800"); httpx's json= would fail to encode it
+    response = httpx.post(f"{server.base_url}/v1/{endpoint}", content=json.dumps({"model": MODEL_NAME, **body}),
+                          headers={"content-type": "application/json"}, timeout=30)
+    assert response.status_code == 400, response.text
+    assert names in response.json()["error"]["message"]
