@@ -21,14 +21,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
-import httpx
 import numpy as np
+
+if TYPE_CHECKING:  # imported where requests are sent: the offline half of bench_serve_vs_offline needs no httpx
+    import httpx
 
 
 @dataclass
@@ -59,6 +63,8 @@ def make_workload(args: argparse.Namespace) -> list[tuple[list[int], int]]:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int) -> Result:
+    import httpx
+
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
@@ -90,15 +96,30 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
     return result
 
 
-async def run(args: argparse.Namespace) -> tuple[list[Result], float]:
-    workload = make_workload(args)
-    rng = random.Random(args.seed + 1)
-    limit = args.concurrency or len(workload)
-    url = f"{args.base_url}/v1/completions"
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout),
+def arrival_times(num_requests: int, request_rate: float, seed: int) -> list[float]:
+    """Seconds after the start at which each request is sent: Poisson arrivals at `request_rate`
+    per second (the first at 0), or all at 0 when the rate is inf."""
+    if not math.isfinite(request_rate):
+        return [0.0] * num_requests
+    rng = random.Random(seed)
+    gaps = (rng.expovariate(request_rate) for _ in range(num_requests - 1))
+    return list(itertools.accumulate(gaps, initial=0.0))[:num_requests]
+
+
+async def drive(base_url: str, workload: list[tuple[list[int], int]], request_rate: float = math.inf,
+                concurrency: int | None = None, model: str | None = None, warmup: int = 0, timeout: float = 600,
+                seed: int = 0) -> tuple[list[Result], float]:
+    """Streams every request of `workload` to the server at `base_url`, sent at `arrival_times`
+    (`seed` draws them) with at most `concurrency` in flight; results in workload order and the
+    seconds from the first send to the last response. `warmup` short requests go first, untimed."""
+    import httpx
+
+    limit = concurrency or len(workload)
+    url = f"{base_url}/v1/completions"
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout),
                                  limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit)) as client:
-        model = args.model or (await client.get(f"{args.base_url}/v1/models")).json()["data"][0]["id"]
-        for prompt, _ in workload[: args.warmup]:
+        model = model or (await client.get(f"{base_url}/v1/models")).json()["data"][0]["id"]
+        for prompt, _ in workload[:warmup]:
             await one_request(client, url, model, prompt, 4)
         gate = asyncio.Semaphore(limit)
 
@@ -108,12 +129,17 @@ async def run(args: argparse.Namespace) -> tuple[list[Result], float]:
 
         tasks = []
         start = time.perf_counter()
-        for prompt, max_tokens in workload:
+        for (prompt, max_tokens), at in zip(workload, arrival_times(len(workload), request_rate, seed), strict=True):
+            if at > 0:
+                await asyncio.sleep(start + at - time.perf_counter())
             tasks.append(asyncio.create_task(gated(prompt, max_tokens)))
-            if math.isfinite(args.request_rate):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         return results, time.perf_counter() - start
+
+
+async def run(args: argparse.Namespace) -> tuple[list[Result], float]:
+    return await drive(args.base_url, make_workload(args), args.request_rate, args.concurrency, args.model,
+                       args.warmup, args.timeout, args.seed + 1)
 
 
 def summarize(results: list[Result], duration: float) -> dict[str, float]:

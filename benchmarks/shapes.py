@@ -3,19 +3,24 @@
 A shape is a layer pattern (`LAYERS`, the `hybrid_override_pattern` alphabet: M Mamba2, * attention,
 - MLP, E MoE) plus `ModelConfig` fields that replace `replayserve.tiny.tiny_config`'s (`SIZES`).
 `make_tiny(dir, layers=LAYERS[s], **SIZES[s])` writes one to disk; `random_model` builds one on the
-device directly (no checkpoint), which is the only practical way for `nemotron-h-8b`.
+device directly (no checkpoint), which is the only practical way for `nemotron-h-8b`, and
+`write_checkpoint` writes what it builds for the benchmarks that need a model directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
+from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from replayserve.config import ModelConfig
 from replayserve.models.nemotron_h import NemotronHForCausalLM
-from replayserve.tiny import tiny_config
+from replayserve.models.writer import save_model
+from replayserve.tiny import SPECIAL_TOKENS, tiny_config
 
 SIZES: dict[str, dict] = {
     "tiny": {},
@@ -95,3 +100,37 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | st
     for buffer in model.buffers():  # to_empty leaves them uninitialised (MoE score-correction bias)
         buffer.zero_()
     return model.eval()
+
+
+def word_tokenizer(vocab_size: int) -> Tokenizer:
+    """A word-level tokenizer of `vocab_size` tokens: `SPECIAL_TOKENS`, then token i is "t{i}" (decoded
+    tokens are joined by spaces), so every id a random model samples decodes to some text."""
+    vocab = {name: i for i, name in enumerate(SPECIAL_TOKENS)}
+    vocab |= {f"t{i}": i for i in range(len(SPECIAL_TOKENS), vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=SPECIAL_TOKENS[0]))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    return tokenizer
+
+
+def write_checkpoint(size: str, out_dir: str | Path, dtype: torch.dtype, device: torch.device | str,
+                     seed: int = 0) -> Path:
+    """A model directory for the shape `size` that `LLM` and `replayserve serve` load: `random_model`'s
+    weights (drawn on `device`) as `dtype` safetensors shards of at most 4 GiB, config.json and
+    `word_tokenizer`'s tokenizer.json. A directory whose config.json and tokenizer.json are already
+    this shape's is kept as it is (Nemotron-H-8B in bfloat16 is 16 GB to write)."""
+    out = Path(out_dir)
+    cfg = model_config(size)
+    config_path, tokenizer_path = out / "config.json", out / "tokenizer.json"
+    if (config_path.is_file() and tokenizer_path.is_file()
+            and ModelConfig.from_dir(out) == cfg and Tokenizer.from_file(str(tokenizer_path)).get_vocab_size() ==
+            cfg.vocab_size):
+        return out
+    model = random_model(cfg, dtype, device, seed)
+    save_model(model, out, dtype, max_shard_bytes=4 << 30)
+    word_tokenizer(cfg.vocab_size).save(str(tokenizer_path))
+    del model
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # the engines that load the directory get the memory back
+    return out
