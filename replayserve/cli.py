@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -173,6 +174,8 @@ def _serve(args: argparse.Namespace) -> None:
         raise UserError(f"--port must be in [1, 65535] (or 0: any free port), got {args.port}")
     if args.max_waiting_requests < 0:
         raise UserError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+    if args.max_request_bytes < 1:
+        raise UserError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from replayserve.server.core_process import EngineStartError, ProcessCore
 
@@ -187,7 +190,8 @@ def _serve(args: argparse.Namespace) -> None:
         core.stop(0)
         raise
     try:
-        app = create_app(core, args.served_model_name or served_name(args.model), args.max_waiting_requests)
+        app = create_app(core, args.served_model_name or served_name(args.model), args.max_waiting_requests,
+                         api_key=args.api_key or None, max_request_bytes=args.max_request_bytes)
         served = serve(app, args.host, args.port, args.shutdown_timeout)
     finally:
         core.stop()  # the app stops it when it shuts down; this covers a failure before it ran
@@ -251,7 +255,14 @@ def build_parser() -> argparse.ArgumentParser:
     h = srv.add_argument_group("server")
     h.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     h.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default %(default)s)")
-    h.add_argument("--served-model-name", help="the model name clients send and see (default: the --model path)")
+    h.add_argument("--served-model-name",
+                   help="the model name clients send and see (default: the built-in model's name or the model "
+                        "directory's name)")
+    h.add_argument("--api-key", default=os.environ.get("REPLAYSERVE_API_KEY"),
+                   help="every /v1 request must send 'Authorization: Bearer KEY' (default: $REPLAYSERVE_API_KEY; "
+                        "unset: no key); /health and /metrics stay open")
+    h.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024,
+                   help="larger request bodies are answered 413 (default %(default)s)")
     h.add_argument("--max-waiting-requests", type=int, default=256,
                    help="requests (a prompt times n) queued beyond the running batch; more are answered 429 "
                         "with Retry-After (default %(default)s)")

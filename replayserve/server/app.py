@@ -4,17 +4,19 @@ outputs while the app runs and is stopped when the app shuts down)."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from replayserve.chat import ChatTemplate
 from replayserve.llm import LLM
@@ -29,9 +31,16 @@ from replayserve.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
-def create_app(source: LLM | ProcessCore, model_name: str, max_waiting_requests: int = 256) -> FastAPI:
+# Bodies above this many bytes get a 413 before they are parsed (a 128k-token prompt is ~1 MB of JSON).
+MAX_REQUEST_BYTES = 4 * 1024 * 1024
+
+
+def create_app(source: LLM | ProcessCore, model_name: str, max_waiting_requests: int = 256,
+               api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
     """An app serving ``source`` under ``model_name``: an engine core process that has been
     launched (`serve`), or an `LLM` whose engine then steps on a thread of this process.
+    api_key: every /v1 route then needs ``Authorization: Bearer <api_key>`` (/health and
+    /metrics stay open); max_request_bytes: larger bodies are refused with a 413.
     ``app.state.engine`` is its `AsyncEngine` and ``app.state.metrics`` its `ServerMetrics`;
     ``app.state.draining`` set makes new generation requests answer 503. If the core dies, the
     requests in flight fail, /health answers 503 and ``app.state.on_fatal`` (if set) is called."""
@@ -56,6 +65,7 @@ def create_app(source: LLM | ProcessCore, model_name: str, max_waiting_requests:
             engine.stop()
 
     app = FastAPI(title="replayserve", lifespan=lifespan)
+    app.add_middleware(BodyLimit, limit=max_request_bytes)
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.draining = False
@@ -94,17 +104,27 @@ def create_app(source: LLM | ProcessCore, model_name: str, max_waiting_requests:
         if app.state.draining:
             raise ApiError(503, "the server is shutting down", None, "service_unavailable")
 
-    @app.post("/v1/completions")
+    expected = None if api_key is None else f"Bearer {api_key}".encode()
+
+    def check_key(raw: HttpRequest) -> None:
+        given = raw.headers.get("authorization", "").encode()
+        if expected is not None and not hmac.compare_digest(given, expected):
+            raise ApiError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>' with "
+                           "the server's --api-key", None, "invalid_request_error", "invalid_api_key")
+
+    keyed = [Depends(check_key)]
+
+    @app.post("/v1/completions", dependencies=keyed)
     async def completions(body: CompletionRequest, raw: HttpRequest) -> Response:
         check_open()
         return await generation.completions(body, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=keyed)
     async def chat_completions(body: ChatCompletionRequest, raw: HttpRequest) -> Response:
         check_open()
         return await generation.chat(body, raw)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=keyed)
     async def models() -> ModelList:
         limit = engine.config.resolved_max_model_len
         return ModelList(data=[ModelCard(id=model_name, created=created, max_model_len=limit)])
@@ -119,3 +139,44 @@ def create_app(source: LLM | ProcessCore, model_name: str, max_waiting_requests:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+class BodyLimit:
+    """ASGI middleware: a request whose body exceeds ``limit`` bytes gets a 413 at once, from its
+    Content-Length, or as soon as a chunked body passes the limit, instead of being read whole."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._refuse(send)
+            return
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise HTTPException(413, self._why())
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _why(self) -> str:
+        return f"the request body is larger than the server's limit of {self.limit} bytes (--max-request-bytes)"
+
+    async def _refuse(self, send: Send) -> None:
+        response = JSONResponse(error_body(self._why(), "invalid_request_error"), status_code=413,
+                                headers={"connection": "close"})
+        await response({"type": "http"}, _no_body, send)
+
+
+async def _no_body() -> Message:
+    return {"type": "http.disconnect"}

@@ -163,21 +163,34 @@ class ProcessCore:
         process = self._process
 
         async def read() -> None:
-            died = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(None, process.join))
-            while True:
-                received = asyncio.ensure_future(outputs.recv())
-                await asyncio.wait({received, died}, return_when=asyncio.FIRST_COMPLETED)
-                if received.done():
-                    deliver(decode_from_core(received.result()))
-                    continue
-                received.cancel()
-                while self._outputs.poll(0):  # what it sent before it died still counts
-                    deliver(decode_from_core(self._outputs.recv(zmq.NOBLOCK)))
-                if not self._stopped:
-                    on_death(f"the engine core process died (exit code {process.exitcode})")
-                return
+            loop = asyncio.get_running_loop()
+            died = loop.create_future()  # its sentinel turns readable when it ends (nothing reaps it here)
+            loop.add_reader(process.sentinel, lambda: died.done() or died.set_result(None))
+            try:
+                while True:
+                    received = asyncio.ensure_future(outputs.recv())
+                    await asyncio.wait({received, died}, return_when=asyncio.FIRST_COMPLETED)
+                    if received.done():
+                        self._deliver(deliver, received.result())
+                        continue
+                    received.cancel()
+                    while self._outputs.poll(100):  # what it sent before it died still counts
+                        self._deliver(deliver, self._outputs.recv(zmq.NOBLOCK))
+                    if not self._stopped:
+                        process.join(1)
+                        on_death(f"the engine core process died (exit code {process.exitcode})")
+                    return
+            finally:
+                loop.remove_reader(process.sentinel)
 
         self._reader = asyncio.ensure_future(read())
+
+    @staticmethod
+    def _deliver(deliver: Callable[[CoreOutputs], None], data: bytes) -> None:
+        try:
+            deliver(decode_from_core(data))  # type: ignore[arg-type]
+        except Exception:  # a bug in handling one message must not stop the reader
+            logger.exception("could not handle the engine core's outputs")
 
     def send(self, message: AddRequest | Abort) -> None:
         self._commands.send(encode(message), zmq.NOBLOCK)

@@ -91,7 +91,7 @@ class Generation:
     # -- routes ------------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, raw: HttpRequest) -> Response:
         self._check_request(body)
-        prompts = self._completion_prompts(body.prompt)
+        prompts = await self._completion_prompts(body.prompt)
         try:
             params = body.sampling_params(body.max_tokens, body.logprobs)
         except ValueError as e:
@@ -119,7 +119,9 @@ class Generation:
         if self.tokenizer is None:
             raise ApiError(400, "chat needs a tokenizer; the model directory has no tokenizer.json", "messages")
         try:
-            prompt = self.chat_template.prompt_ids(_flatten_content(body.messages), self.tokenizer)
+            # off the event loop, as text prompts are: a long one must not stall other streams
+            prompt = await asyncio.to_thread(self.chat_template.prompt_ids, _flatten_content(body.messages),
+                                             self.tokenizer)
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from e
         if body.max_tokens is not None and body.max_completion_tokens is not None:
@@ -221,14 +223,14 @@ class Generation:
     def _check_context(self, num_prompt_tokens: int, max_tokens: int, field: str, prompt_field: str) -> None:
         """A 400, as vLLM answers, when the prompt and max_tokens together exceed max_model_len; a
         prompt that leaves no room at all is the engine's error (about the prompt), not this one."""
-        limit = self.engine.engine.config.resolved_max_model_len
+        limit = self.engine.config.resolved_max_model_len
         if num_prompt_tokens < limit < num_prompt_tokens + max_tokens:
             raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {prompt_field}, "
                            f"{max_tokens} in the completion). Reduce the length of the {prompt_field} or {field} "
                            f"(at most {limit - num_prompt_tokens} here).", field)
 
-    def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+    async def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
         if isinstance(prompt, str):
             prompt = [prompt]
         if not prompt:
@@ -245,7 +247,9 @@ class Generation:
                 check_unicode(text, "prompt" if len(prompt) == 1 else f"prompt[{i}]")  # type: ignore[arg-type]
             except ValueError as e:
                 raise ApiError(400, str(e), "prompt") from e
-        return [self.tokenizer.encode(p) for p in prompt]  # type: ignore[arg-type]
+        # On a worker thread: tokenizing a long prompt takes long enough to stall every stream on the loop.
+        encode = self.tokenizer.encode
+        return await asyncio.to_thread(lambda: [encode(p) for p in prompt])  # type: ignore[union-attr,arg-type]
 
     def _token_text(self, token_id: int) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode([token_id])

@@ -22,10 +22,11 @@ from replayserve.cli import main
 MAX_TOKENS = 256  # long enough that requests are still running when all 8 are admitted
 
 
-def _start(model_dir: Path) -> tuple[subprocess.Popen, str]:
+def _start(model_dir: Path, shutdown_timeout: float = 20) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = subprocess.Popen([sys.executable, "-m", "replayserve.cli", "serve", "--model", str(model_dir), "--port",
-                             "0", "--served-model-name", "tiny", "--dtype", "float32", "--shutdown-timeout", "20"],
+                             "0", "--served-model-name", "tiny", "--dtype", "float32", "--shutdown-timeout",
+                             str(shutdown_timeout)],
                             stderr=subprocess.PIPE, text=True, env=env)
     assert proc.stderr is not None
     deadline = time.monotonic() + 60
@@ -89,6 +90,32 @@ def test_a_signal_mid_load_finishes_in_flight_requests_and_exits_0(tiny_model_di
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_requests_past_the_shutdown_timeout_end_with_an_error_not_a_cut(tiny_model_dir: Path) -> None:
+    """A stream gets an error event and [DONE]; a whole response gets OpenAI's error body; exit 0."""
+    proc, base_url = _start(tiny_model_dir, shutdown_timeout=1)
+    body = {"prompt": "The quick brown fox", "max_tokens": 1000, "ignore_eos": True}
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            def stream() -> list[str]:
+                with httpx.stream("POST", f"{base_url}/v1/completions", json={**body, "stream": True},
+                                  timeout=60) as response:
+                    return [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+
+            events = pool.submit(stream)
+            whole = pool.submit(httpx.post, f"{base_url}/v1/completions", json=body, timeout=60)
+            deadline = time.monotonic() + 30
+            while _running_and_finished(base_url)[0] < 2:
+                assert time.monotonic() < deadline, "the two requests never ran"
+                time.sleep(0.02)
+            proc.send_signal(signal.SIGTERM)
+            streamed, response = events.result(), whole.result()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+    assert streamed[-1] == "[DONE]" and "did not finish within 1 s" in json.loads(streamed[-2])["error"]["message"]
+    assert response.status_code == 500 and "did not finish within 1 s" in response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(("argv", "says"), [
