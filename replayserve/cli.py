@@ -81,6 +81,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="processes (GPUs on CUDA) the model is split over; this one runs the engine and starts "
                         "the others (default %(default)s)")
+    g.add_argument("--threads", dest="cpu_threads", type=int,
+                   help="CPU: torch's intra-op threads (per rank); default: OMP_NUM_THREADS when set, else the "
+                        "cores idle at start-up, at least 1 (torch's one per core collapses on a busy machine)")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -97,7 +100,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     names = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
              "num_kv_blocks", "gpu_memory_utilization", "ssm_backend", "replay_window", "enable_prefix_caching",
              "mamba_cache_mode", "num_mamba_cache_slots", "mamba_block_size", "enforce_eager",
-             "async_scheduling", "tensor_parallel_size")
+             "async_scheduling", "tensor_parallel_size", "cpu_threads")
     return {**{n: getattr(args, n) for n in names}, "speculative": speculative}
 
 

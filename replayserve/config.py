@@ -93,7 +93,7 @@ class SpeculativeConfig:
 
 _ENGINE_MINIMUMS = dict.fromkeys(("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
                                   "num_kv_blocks", "replay_window", "num_mamba_cache_slots", "mamba_block_size",
-                                  "tensor_parallel_size"), 1)
+                                  "tensor_parallel_size", "cpu_threads"), 1)
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,8 @@ class EngineConfig:
     async_scheduling: bool = False
     # Ranks (processes) the model is split over; rank 0 runs the engine (distributed/).
     tensor_parallel_size: int = 1
+    # CPU only: torch intra-op threads of each rank's process; LLM fills it in (cpu_threads.py).
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         def fail(option: str, why: str) -> None:
@@ -139,6 +141,9 @@ class EngineConfig:
             fail("gpu_memory_utilization", f"must be a number in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.device.split(":")[0] not in DEVICES:
             fail("device", f"{self.device!r} is not one of {DEVICES}")
+        if self.cpu_threads is not None and not self.device.startswith("cpu"):
+            fail("cpu_threads", f"sets torch's CPU threads and applies only with device='cpu', not {self.device!r}; "
+                 "leave it out")
         if self.ssm_backend not in SSM_BACKENDS:
             fail("ssm_backend", f"{self.ssm_backend!r} is not one of {SSM_BACKENDS}")
         if self.ssm_backend == "replay":

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from replayserve.cache_sizing import size_caches
 from replayserve.chat import ChatTemplate, Message, encode_rendered
 from replayserve.config import EngineConfig, ModelConfig, SpeculativeConfig
+from replayserve.cpu_threads import ThreadChoice, apply_cpu_threads, choose_cpu_threads
 from replayserve.distributed.group import Workers
 from replayserve.engine.engine import Engine
 from replayserve.engine.request import Request, SamplingParams
@@ -65,6 +66,10 @@ class LLM:
     tensor_parallel_size: processes the model is split over (heads, inner dimensions, vocabulary;
     `distributed/`): this one (rank 0) runs the engine and the others, started here, run their
     slices of each step; gloo on the CPU, NCCL on CUDA (one GPU per rank). `close()` stops them.
+    cpu_threads: on the CPU, torch's intra-op threads per rank (torch's setting is process-wide);
+    left out: OMP_NUM_THREADS when set, else the cores idle at the first engine's start-up
+    (`cpu_threads.py` says why: torch's default of one thread per core collapses on a busy
+    machine). The choice is logged and kept in `llm.cpu_threads`; on CUDA it is refused.
     """
 
     def __init__(
@@ -88,6 +93,7 @@ class LLM:
         enforce_eager: bool = False,
         async_scheduling: bool = False,
         tensor_parallel_size: int = 1,
+        cpu_threads: int | None = None,
     ) -> None:
         model = resolve_model(model)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -109,7 +115,13 @@ class LLM:
             num_mamba_cache_slots=num_mamba_cache_slots, mamba_block_size=mamba_block_size,
             speculative=None if speculative is None else SpeculativeConfig.from_dict(speculative),
             enforce_eager=enforce_eager, async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
+            cpu_threads=cpu_threads,
         )
+        self.cpu_threads: ThreadChoice | None = None
+        if device.startswith("cpu"):  # chosen once the options it reads are known to be valid
+            self.cpu_threads = choose_cpu_threads(cpu_threads, tensor_parallel_size)
+            self.config = dataclasses.replace(self.config, cpu_threads=self.cpu_threads.count)
+            apply_cpu_threads(self.cpu_threads)
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("engine option device: 'cuda' was asked for but torch sees no CUDA device")
         self.tokenizer = Tokenizer.from_dir(model)

@@ -26,6 +26,10 @@ TINY_CODE_DIR = Path(__file__).parent / "models" / "tiny_code"
 BUILTIN_MODELS = {TINY_CODE: TINY_CODE_DIR}
 HELDOUT_SAMPLE = "heldout_sample.json"
 EVAL_RESULTS = "eval.json"
+# The model completes code and never saw a conversation: its chat template (tokenizer_config.json)
+# writes the messages' contents one after another, as one Python file, so a chat request continues
+# the code as a completion of the same text does. (The default `<|role|>` lines read to it as HTML.)
+CODE_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 # A one-line `def` header (any indentation, optional return annotation and trailing comment).
 _HEADER = re.compile(r"^[ \t]*(async[ \t]+)?def[ \t]+\w+[ \t]*\(.*\)[ \t]*(->[^:#]+)?:[ \t]*(#.*)?$")

@@ -59,6 +59,7 @@ from replayserve.models.nemotron_h import NemotronHForCausalLM  # noqa: E402
 from replayserve.models.writer import save_model  # noqa: E402
 from replayserve.tiny import SPECIAL_TOKENS, train_tokenizer  # noqa: E402
 from replayserve.tiny_code import (  # noqa: E402
+    CODE_CHAT_TEMPLATE,
     EVAL_RESULTS,
     HELDOUT_SAMPLE,
     TINY_CODE_DIR,
@@ -241,7 +242,8 @@ def export(model: NemotronHForCausalLM, work: Path, summary: dict) -> Path:
     shutil.copy(work / HELDOUT_SAMPLE, out / HELDOUT_SAMPLE)
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
-        "model_max_length": model.config.max_position_embeddings, "clean_up_tokenization_spaces": False}, indent=2))
+        "model_max_length": model.config.max_position_embeddings, "clean_up_tokenization_spaces": False,
+        "chat_template": CODE_CHAT_TEMPLATE}, indent=2))
     llm = LLM(model=str(out), dtype="float32", device="cpu", max_num_seqs=HEADERS)
     texts = heldout_texts(out)
     ppl = heldout_perplexity(llm, perplexity_windows(llm, texts, PPL_FILES, PPL_TOKENS))

@@ -89,7 +89,8 @@ def test_serve_defaults_to_the_builtin_model(monkeypatch: pytest.MonkeyPatch, ca
     import replayserve.server
 
     seen = {}
-    monkeypatch.setattr(replayserve.server, "create_app", lambda core, name, waiting, **_: seen.update(core=core, name=name))
+    monkeypatch.setattr(replayserve.server, "create_app",
+                        lambda core, name, waiting, **_: seen.update(core=core, name=name))
     monkeypatch.setattr(replayserve.server, "serve", lambda app, host, port, timeout: True)
     code, _, err = _run(["serve", "--device", "cpu"], capsys)
     assert code == 0, err

@@ -1,10 +1,13 @@
 """The built-in `replayserve/tiny-code`: the shipped weights are the trained ones (held-out perplexity
 and function-header share as `eval.json` recorded them at training), they load by name, in
-transformers too, and the package stays small."""
+transformers too, the package stays small, and chat continues code (the README's examples)."""
 
 from __future__ import annotations
 
+import ast
+import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,7 @@ import torch
 from replayserve import LLM, SamplingParams
 from replayserve.config import ModelConfig
 from replayserve.tiny_code import (
+    CODE_CHAT_TEMPLATE,
     TINY_CODE,
     TINY_CODE_DIR,
     completes_as_python,
@@ -95,3 +99,29 @@ def test_transformers_reads_the_shipped_checkpoint_to_the_same_logprobs(llm: LLM
         logits = hf(torch.tensor([ids])).logits[0].float()
     theirs = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
+
+
+def _readme_python_block(containing: str) -> str:
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    return next(block for block in readme.split("```python\n")[1:] if containing in block.split("```")[0])
+
+
+def test_chat_continues_code_as_the_readme_shows(llm: LLM) -> None:
+    tokenizer_config = json.loads((TINY_CODE_DIR / "tokenizer_config.json").read_text())
+    assert tokenizer_config["chat_template"] == CODE_CHAT_TEMPLATE
+    example = _readme_python_block('LLM(model="replayserve/tiny-code")')
+    content = ast.literal_eval(re.search(r'"content": ("[^"]*")', example).group(1))
+    shown = ast.literal_eval(re.search(r'# (".*)\.\.\."', example).group(1) + '"')
+    max_tokens = int(re.search(r"max_tokens=(\d+)", example).group(1))
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    reply = llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)[0].outputs[0]
+    assert reply.token_ids == llm.generate(content, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert reply.text.startswith(shown) and completes_as_python(content, reply.text)
+
+
+def test_the_serving_example_sends_code(llm: LLM) -> None:
+    example = _readme_python_block("client.chat.completions.create")
+    prompts = [ast.literal_eval(m) for m in re.findall(r'(?:prompt=|"content": )("[^"]*")', example)]
+    assert len(prompts) == 2
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert all(completes_as_python(p, o.outputs[0].text) for p, o in zip(prompts, outs, strict=True))

@@ -33,6 +33,8 @@ def main(rank: int, world: int, port: int) -> None:
         return
     assert kind == "runner"
     config = dataclasses.replace(config, device=device)
+    if config.cpu_threads is not None:  # rank 0's choice for each rank (cpu_threads.py)
+        torch.set_num_threads(config.cpu_threads)
     runner = WorkerRunner(config, model, inbox)
     proposer = make_proposer(config, runner) if config.speculative is not None else None
     outbox.write(READY)
