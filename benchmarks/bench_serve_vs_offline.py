@@ -99,9 +99,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
     p.add_argument("--startup-timeout", type=float, default=900, help="seconds to /health 200 (default %(default)s)")
     p.add_argument("--request-timeout", type=float, default=600, help="seconds per request (default %(default)s)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="CPU device: intra-op threads of both sides (OMP_NUM_THREADS for the server); spinning "
-                        "OpenMP threads on a busy machine make steps several times slower (default %(default)s)")
     p.add_argument("--server-log", type=Path, help="the server's output (default: a temporary file, kept)")
     p.add_argument("--out", type=Path, help="also write the results as JSON here")
     add_engine_options(p)
@@ -119,9 +116,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def engine_flags(options: dict[str, Any]) -> list[str]:
     """`replayserve serve` flags for the `LLM` keyword arguments `options` (`cli.engine_options`'s)."""
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    option_of = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}  # dest -> its flag
     flags: list[str] = []
     for name, value in options.items():
-        flag = "--" + name.replace("_", "-")
+        flag = option_of[name]
         if value is True:
             flags.append(flag)
         elif value is not None and value is not False:
@@ -269,10 +269,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     options["max_num_seqs"] = options["max_num_seqs"] or max(args.concurrency_levels)
     device = options["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = options["dtype"] if options["dtype"] != "auto" else "bfloat16" if device == "cuda" else "float32"
-    server_env = {}
-    if device == "cpu":
-        torch.set_num_threads(args.threads)
-        server_env["OMP_NUM_THREADS"] = str(args.threads)
+    server_env: dict[str, str] = {}
+    if device == "cpu" and options.get("cpu_threads") is None:
+        # one intra-op thread on both sides unless --threads says otherwise: the server's two processes
+        # and this client share the machine, and spinning OpenMP threads make steps several times slower
+        options["cpu_threads"] = 1
     meta = {"card": torch.cuda.get_device_name(device) if device == "cuda" else "CPU", "commit": git_commit(),
             "command": shlex.join(["python", "benchmarks/bench_serve_vs_offline.py",
                                    *(sys.argv[1:] if argv is None else argv)]),
