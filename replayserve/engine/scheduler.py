@@ -126,7 +126,9 @@ class Scheduler:
         decodes: list[ScheduledSeq] = []
         prefills: list[ScheduledSeq] = []
         preempted: list[str] = []
-        for request in list(self.running):
+        # Decode rows first, then prefills still under way: a long prompt's chunk never takes the
+        # budget a decoding request's next token needs (decoding does not stall behind prompts).
+        for request in [r for r in self.running if r.decoding] + [r for r in self.running if not r.decoding]:
             if request.status is not Status.RUNNING or budget == 0:
                 continue  # preempted as a victim earlier in this loop, or out of budget
             start = request.num_computed_tokens

@@ -44,6 +44,24 @@ def test_chunked_prefill_shares_steps_with_decodes_under_the_budget() -> None:
     assert len(plan.seqs[1].block_table) == 5
 
 
+def test_decode_rows_get_their_token_before_an_earlier_prompt_continues_its_prefill() -> None:
+    """A prompt admitted before a decoding request, still prefilling, takes only what the decode
+    rows leave: decoding never stalls behind a prompt, whatever the admission order."""
+    s = _scheduler(budget=8)
+    s.add(_request(0, 3))
+    _run(s, s.schedule())  # request 0 decodes from now on
+    long_prompt, late = _request(1, 30), _request(2, 2)
+    s.add(long_prompt)
+    s.add(late)
+    plan = s.schedule()  # 0 decodes; the long prompt takes the remaining 7 tokens, 2 waits
+    assert [(q.request_id, len(q.token_ids)) for q in plan.seqs] == [("0", 1), ("1", 7)]
+    _run(s, plan)
+    s.running.remove(long_prompt)  # the long prompt runs ahead of the decode rows from here on
+    s.running.insert(0, long_prompt)
+    plan = s.schedule()
+    assert [(q.request_id, q.is_decode, len(q.token_ids)) for q in plan.seqs] == [("0", True, 1), ("1", False, 7)]
+
+
 def test_max_num_seqs_and_slots_bound_admission() -> None:
     s = _scheduler(budget=100, max_seqs=2)
     for i in range(3):
