@@ -179,6 +179,8 @@ def _serve(args: argparse.Namespace) -> None:
         raise UserError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
     if args.max_request_bytes < 1:
         raise UserError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    if not args.keep_alive_timeout > 0:
+        raise UserError(f"--keep-alive-timeout must be > 0 seconds, got {args.keep_alive_timeout}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from replayserve.server.core_process import EngineStartError, ProcessCore
 
@@ -195,7 +197,7 @@ def _serve(args: argparse.Namespace) -> None:
     try:
         app = create_app(core, args.served_model_name or served_name(args.model), args.max_waiting_requests,
                          api_key=args.api_key or None, max_request_bytes=args.max_request_bytes)
-        served = serve(app, args.host, args.port, args.shutdown_timeout)
+        served = serve(app, args.keep_alive_timeout, args.host, args.port, args.shutdown_timeout)
     finally:
         core.stop()  # the app stops it when it shuts down; this covers a failure before it ran
     if not served:
@@ -272,6 +274,13 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may take to finish after SIGTERM/SIGINT before they are "
                         "aborted (default %(default)s)")
+    # Longer than clients keep idle connections in their pools (httpx, and so the OpenAI client: 5 s;
+    # aiohttp: 15 s). At uvicorn's 5 s, equal to httpx's, the server closed a connection just as a client
+    # reused it: the request reached a closed socket, the kernel answered with a reset, and the client saw
+    # httpx.ReadError (issue 38's cut streams). A client never reuses a connection idle past its own expiry.
+    h.add_argument("--keep-alive-timeout", type=float, default=30.0,
+                   help="seconds an idle connection stays open; keep it above your clients' idle expiry (httpx: 5) "
+                        "or a request sent as the server closes the connection fails (default %(default)s)")
     add_engine_options(srv)
 
     tiny = sub.add_parser("make-tiny", help="write a random tiny Nemotron-H in Hugging Face format")

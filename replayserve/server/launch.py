@@ -39,12 +39,14 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 10.0,
-          log_level: str = "info") -> bool:
+def serve(app: FastAPI, keep_alive_timeout: float, host: str = "127.0.0.1", port: int = 8000,
+          shutdown_timeout: float = 10.0, log_level: str = "info") -> bool:
     """Serves ``app`` until SIGTERM/SIGINT; returns once it has shut down: False if it stopped
-    because the engine core died (the caller should exit non-zero)."""
+    because the engine core died (the caller should exit non-zero). An idle connection is closed
+    after ``keep_alive_timeout`` seconds (the CLI's --keep-alive-timeout says why it is not uvicorn's 5)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=shutdown_timeout + _WRITE_ERRORS_S)
+                            timeout_graceful_shutdown=shutdown_timeout + _WRITE_ERRORS_S,
+                            timeout_keep_alive=keep_alive_timeout)
     # uvicorn re-raises the signal it caught once it has shut down, to the handlers that were in
     # place before it: with the defaults SIGTERM would then kill the process (status -15) and SIGINT
     # raise KeyboardInterrupt. These no-op handlers make a graceful shutdown a normal return.

@@ -1,8 +1,10 @@
 """`replayserve serve` as a process: SIGTERM (or SIGINT) in the middle of a load stops admitting, lets the
-requests in flight finish (none loses its end), and exits 0 within a few seconds."""
+requests in flight finish (none loses its end), and exits 0 within a few seconds; an idle connection
+stays open longer than clients keep one."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -118,10 +120,43 @@ def test_requests_past_the_shutdown_timeout_end_with_an_error_not_a_cut(tiny_mod
     assert response.status_code == 500 and "did not finish within 1 s" in response.json()["error"]["message"]
 
 
+def test_an_idle_connection_stays_open_past_httpx_s_keep_alive_expiry(tiny_model_dir: Path) -> None:
+    """Issue 38's cut streams: uvicorn closes an idle connection after 5 s, which is also how long an
+    httpx pool keeps one, so a client could send its next request just as the server closed the
+    connection; the request met a reset (httpx.ReadError). Once the server outlasts the client's
+    expiry, a connection the client may still reuse is one the server still reads. A raw
+    http.client connection, because an httpx pool would quietly replace a connection the server closed."""
+    proc, base_url = _start(tiny_model_dir)
+    host, port = base_url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = json.dumps({"prompt": "The quick brown fox", "max_tokens": 2, "stream": True})
+
+    def complete() -> tuple[int, bytes]:
+        connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, response.read()
+
+    try:
+        assert complete()[0] == 200
+        sock = connection.sock
+        time.sleep(httpx.Limits().keepalive_expiry + 0.5)
+        try:
+            status, events = complete()
+        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
+            raise AssertionError(f"the server closed a connection an httpx client could still reuse: {e!r}") from e
+        assert connection.sock is sock, "the second request went on the same connection"
+        assert status == 200 and events.endswith(b"data: [DONE]\n\n")
+    finally:
+        connection.close()
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.parametrize(("argv", "says"), [
     (["--model", "/no/such/model"], "does not exist"),
     (["--port", "70000"], "--port"),
     (["--max-waiting-requests", "-1"], "--max-waiting-requests"),
+    (["--keep-alive-timeout", "0"], "--keep-alive-timeout"),
     (["--speculative", "{"], "--speculative"),
 ])
 def test_a_bad_serve_invocation_exits_2_with_one_line(tiny_model_dir: Path, argv: list[str], says: str,
