@@ -58,7 +58,7 @@ class LLM:
     blocks and cached Mamba states that are not given fill what the weights and an activation
     reserve leave (`cache_sizing.py`; the numbers are logged). On CPU the defaults stay.
     enforce_eager: on CUDA, run decode steps eagerly instead of replaying a CUDA graph per padded
-    batch size (1, 2, 4, 8, multiples of 16 up to max_num_seqs; captured on first use).
+    batch size (1, 2, 4, 8, multiples of 16 up to max_num_seqs; captured at start by the warm-up).
     async_scheduling: overlap the host with the device: while plain decode step N runs, the next
     step is planned and launched, its input tokens taken from step N's on the device; outputs are
     the same as without it. Steps with prefill chunks, Mamba boundary states (prefix caching) or
@@ -70,6 +70,10 @@ class LLM:
     left out: OMP_NUM_THREADS when set, else the cores idle at the first engine's start-up
     (`cpu_threads.py` says why: torch's default of one thread per core collapses on a busy
     machine). The choice is logged and kept in `llm.cpu_threads`; on CUDA it is refused.
+    warmup: on CUDA, before returning, compile the Triton kernels and capture the CUDA graphs that
+    serving will run, with dummy requests that leave no trace (`Engine.warm_up`; what it ran and its
+    time are logged), instead of during the first requests. The CPU compiles nothing and skips it
+    (`llm.engine.warm_up()` runs it anyway).
     """
 
     def __init__(
@@ -94,6 +98,7 @@ class LLM:
         async_scheduling: bool = False,
         tensor_parallel_size: int = 1,
         cpu_threads: int | None = None,
+        warmup: bool = True,
     ) -> None:
         model = resolve_model(model)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -139,6 +144,8 @@ class LLM:
             self.engine = Engine(self.config, net, self.tokenizer, self.workers)
             if self.workers is not None:
                 self.workers.connect(self.config)
+            if warmup and device.startswith("cuda"):
+                self.engine.warm_up()
         except BaseException:
             self.close()
             raise

@@ -249,6 +249,11 @@ class CacheManager:
                 self.metrics.published_states += self.states.publish(w.slot, h, key)
             self._drop_step_ref(w.slot)
 
+    def reset_cache(self) -> int:
+        """Forgets every cached prefix no request holds (KV blocks and boundary states); returns
+        how many entries were dropped."""
+        return self.kv.reset_cache() + (self.states.reset_cache() if self.states is not None else 0)
+
     def check(self) -> None:
         """Raises AssertionError unless the pools agree with the requests' holdings."""
         if self._step_refs:

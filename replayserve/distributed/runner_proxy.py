@@ -2,10 +2,11 @@
 or changes its state to the workers, whose runners replay them in the same order.
 
 Mirrored: `execute` (the plan: slot resets and copies for prefix caching, the forward, boundary
-states, the SSM backend's step), a model proposer's `propose_batch` (MTP), and `forget` (queued,
-sent with the next call). Each rank computes the same full logits; rank 0 alone samples and sends
-the results, so every rank commits the same accepted tokens to its Mamba states and records the
-same hidden states for MTP, whatever the sampling parameters and seeds.
+states, the SSM backend's step), a model proposer's `propose_batch` (MTP), the startup warm-up's
+MoE sweep and decode graphs (`prepare_for_serving`), and `forget` (queued, sent with the next
+call). Each rank computes the same full logits; rank 0 alone samples and sends the results, so
+every rank commits the same accepted tokens to its Mamba states and records the same hidden
+states for MTP, whatever the sampling parameters and seeds.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ class DriverRunner(Runner):
         self.call("execute", plan)
         with self.workers.watch():
             return super().execute(plan, params, generators, histories)
+
+    def prepare_for_serving(self) -> tuple[tuple[int, int], ...]:
+        self.call("prepare_for_serving", None)  # every rank compiles, and captures graphs with collectives
+        with self.workers.watch():
+            return super().prepare_for_serving()
 
     def _draw(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
               drafts: list[tuple[int, ...]] | None,

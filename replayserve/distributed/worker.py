@@ -46,6 +46,8 @@ def main(rank: int, world: int, port: int) -> None:
             runner.forget(request_id)
         if kind == "execute":
             runner.execute(payload, [], [])
+        elif kind == "prepare_for_serving":
+            runner.prepare_for_serving()
         elif kind == "propose":
             assert proposer is not None
             proposer.propose_batch(payload)

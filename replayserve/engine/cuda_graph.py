@@ -224,6 +224,23 @@ class DecodeGraphs:
         self._device[:end].copy_(self._host[:end], non_blocking=True)
         self._num_tokens32[:bucket].copy_(self._view("num_tokens", bucket))
 
+    @property
+    def shapes(self) -> tuple[tuple[int, int], ...]:
+        """Every (bucket, width) a step can take: each bucket at width 1, and at 1 + k with speculation."""
+        widths = (1,) if self.max_width == 1 else (1, self.max_width)
+        return tuple((bucket, width) for width in widths for bucket in self.buckets)
+
+    def prepare_all(self) -> tuple[tuple[int, int], ...]:
+        """Captures the graph of every shape not yet captured (with `capture=False`, runs each
+        shape's forward once on pad rows, which compiles its kernels); returns the shapes. The step
+        loaded last keeps its buffers. Startup warm-up (`engine/warmup.py`)."""
+        for bucket, width in self.shapes:
+            if not self.capture:
+                self._run_on_pads(bucket, width)
+            elif (bucket, width) not in self._graphs:
+                self._capture(bucket, width)
+        return self.shapes
+
     def run(self, bucket: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Replays the graph of (bucket, width), capturing it first if needed; hidden
         (bucket * width, D) and logits (bucket * width, V), valid until the next replay."""
@@ -236,27 +253,36 @@ class DecodeGraphs:
         self.restore(graph.state)
         return graph.hidden, graph.logits
 
-    def _capture(self, bucket: int, width: int) -> _Graph:
-        ctx = self._context(bucket, width)
-        ids = self._view("ids", bucket * width)
-        # The host buffer is rewritten below while its copy to the device may still be queued
-        # (behind a running step, with async scheduling): let it land first. Once per graph.
-        torch.cuda.current_stream().synchronize()
-        # Triton kernels compile on their first call, which a capture cannot hold, so the forward
-        # runs once before it. A decode step is not idempotent (it advances states and writes
-        # KV), so that warm-up runs on pad rows only; capturing itself executes nothing.
+    def _run_on_pads(self, bucket: int, width: int, stream: torch.cuda.Stream | None = None) -> None:
+        """The forward of (bucket, width) on pad rows only, the loaded step's buffers kept. A decode
+        step is not idempotent (it advances states and writes KV), so only rows that read and write
+        the pad block and pad slot may run outside a real step."""
+        if self._device.is_cuda:
+            # The host buffer is rewritten below while its copy to the device may still be queued
+            # (behind a running step, with async scheduling): let it land first.
+            torch.cuda.current_stream().synchronize()
         saved_device, saved_host = self._device.clone(), self._host.clone()
         saved_counts = self._num_tokens32.clone()
         self._fill_pads(0, bucket, width)
         self._copy(bucket, width)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        ids, ctx = self._view("ids", bucket * width), self._context(bucket, width)
+        if stream is None:
             self.forward(ids, ctx)
-        torch.cuda.current_stream().wait_stream(stream)
+        else:
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self.forward(ids, ctx)
+            torch.cuda.current_stream().wait_stream(stream)
         self._device.copy_(saved_device)
         self._host.copy_(saved_host)
         self._num_tokens32.copy_(saved_counts)
+
+    def _capture(self, bucket: int, width: int) -> _Graph:
+        # Triton kernels compile on their first call, which a capture cannot hold, so the forward
+        # runs once before it, on pad rows and a side stream; capturing itself executes nothing.
+        self._run_on_pads(bucket, width, torch.cuda.Stream())
+        ctx = self._context(bucket, width)
+        ids = self._view("ids", bucket * width)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             hidden, logits = self.forward(ids, ctx)

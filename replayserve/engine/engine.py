@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from replayserve.cache.manager import CacheManager
+from replayserve.cache.manager import CacheManager, CacheMetrics
 from replayserve.config import EngineConfig
 from replayserve.distributed.runner_proxy import DriverRunner
 from replayserve.engine.penalties import uses_history
@@ -18,6 +18,7 @@ from replayserve.engine.request import Request, SamplingParams, Status
 from replayserve.engine.runner import Runner
 from replayserve.engine.sampler import PendingSample, SampleResult
 from replayserve.engine.scheduler import Scheduler, StepPlan
+from replayserve.engine.warmup import WarmupReport, run_warm_up
 from replayserve.models.nemotron_h import NemotronHForCausalLM
 from replayserve.speculative.factory import make_proposer
 from replayserve.speculative.metrics import SpecMetrics
@@ -134,6 +135,25 @@ class Engine:
         return {**self.cache.metrics.as_dict(), **self.spec_metrics.as_dict(), "num_steps": self.num_steps,
                 "num_generated_tokens": self.num_generated_tokens, "num_prefill_tokens": self.num_prefill_tokens,
                 "num_preemptions": self.scheduler.num_preemptions, "num_overlapped_steps": self.num_overlapped_steps}
+
+    def warm_up(self) -> WarmupReport:
+        """Compiles and captures what serving will run, with dummy requests (`engine/warmup.py`),
+        then puts back what they changed: the next request id, the counters and the prefix cache
+        (emptied); every block and slot is free again and no generator has drawn. For an idle
+        engine, before serving: `LLM` calls it on CUDA."""
+        if self.has_unfinished():
+            raise RuntimeError("warm_up needs an idle engine: call it before adding requests")
+        next_id = next(self._ids)
+        counters = (self.num_generated_tokens, self.num_prefill_tokens, self.num_steps, self.num_overlapped_steps,
+                    self.scheduler.num_preemptions, self.cache.metrics, self.spec_metrics)
+        self.cache.metrics, self.spec_metrics = CacheMetrics(), SpecMetrics()
+        try:
+            return run_warm_up(self)
+        finally:
+            self._ids = itertools.count(next_id)
+            (self.num_generated_tokens, self.num_prefill_tokens, self.num_steps, self.num_overlapped_steps,
+             self.scheduler.num_preemptions, self.cache.metrics, self.spec_metrics) = counters
+            self.cache.reset_cache()
 
     def abort(self, request: Request) -> None:
         if request.status is not Status.FINISHED:

@@ -93,6 +93,20 @@ class Runner:
                             self.pad_block, self.ssm.layout.num_slots - 1, self.device,
                             keep=lambda: dict(self.ssm._windows), restore=self._restore_windows, capture=capture)
 
+    @torch.inference_mode()
+    def prepare_for_serving(self) -> tuple[tuple[int, int], ...]:
+        """What a few dummy steps cannot reach, before serving: each distinct MoE layer at every token
+        count a step can have (`MoE.warm_up`), then the decode graph of every (batch size, width) a
+        step can take (`DecodeGraphs.prepare_all`). Returns those shapes (none without the
+        fixed-shape decode path)."""
+        swept: set[tuple] = set()
+        for moe in (m for m in self.model.modules() if isinstance(m, MoE)):
+            shapes = tuple((p.shape, p.dtype) for p in moe.parameters())
+            if shapes not in swept:  # layers of one shape launch the same kernel variants
+                swept.add(shapes)
+                moe.warm_up(self.config.max_num_batched_tokens)
+        return self.graphs.prepare_all() if self.graphs is not None else ()
+
     def _restore_windows(self, windows: dict[int, torch.Tensor]) -> None:
         self.ssm._windows = dict(windows)
 

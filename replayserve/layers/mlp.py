@@ -167,6 +167,19 @@ class MoE(nn.Module):
         self._stacked = (w_up, w_down)
         return self._stacked
 
+    @torch.no_grad()
+    def warm_up(self, max_tokens: int) -> None:
+        """Runs the forward on zeros at every token count from 1 to `max_tokens`, dropping the
+        outputs (startup warm-up): on CUDA each count's launches compile their kernel variants now.
+        No short list of counts would do: the routing's tiles follow the count's power of two, the
+        alignment's the pairs' (top_k, plus the folded shared expert up to FOLD_SHARED_MAX_TOKENS
+        tokens), the GEMM tiles the pairs per expert. `forward`, not a call: under tensor
+        parallelism a hook all-reduces the layer's output, and this runs on each rank alone."""
+        weight = self.gate.weight
+        x = torch.zeros(max_tokens, weight.shape[1], dtype=self.experts[0].up_proj.weight.dtype, device=weight.device)
+        for n in range(1, max_tokens + 1):
+            self.forward(x[:n])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden). On CUDA (fp32, bf16, fp16) the routed experts run as Triton
         kernels without a host sync (CUDA-graph safe), with the shared expert folded in for up to

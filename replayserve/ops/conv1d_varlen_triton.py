@@ -27,7 +27,9 @@ from torch import Tensor
 from replayserve.ops.conv1d import _check_activation
 
 
-@triton.jit
+# The step's token count is not specialised on (== 1, divisible by 16): a compile per kind of count
+# mid-serving, for a mask along tokens whose loads are contiguous along channels.
+@triton.jit(do_not_specialize=["num_tokens"])
 def _conv1d_varlen_kernel(
     x_ptr, w_ptr, b_ptr, st_ptr, slots_ptr, cu_ptr, seq_ptr, y_ptr, num_tokens, dim,
     s_x_t, s_x_d, s_w_d, s_w_k, s_st_slot, s_st_d, s_st_k, s_y_t, s_y_d,

@@ -147,7 +147,10 @@ def _align_pairs(
         seen += tl.sum(onehot, axis=0)
 
 
-@triton.jit
+# Token, pair and block counts change every step. Specialised on (== 1, divisible by 16) they would
+# compile a variant per kind of count mid-serving, for masks on gathered rows; the BLOCK_*
+# constants follow their powers of two.
+@triton.jit(do_not_specialize=["num_tokens"])
 def _route_kernel(
     logits_ptr, bias_ptr, ids_ptr, weights_ptr, num_tokens, n_group, experts_per_group, scaling, s_l_t, s_l_e,
     TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUPED: tl.constexpr, NORM: tl.constexpr,
@@ -159,7 +162,7 @@ def _route_kernel(
                   s_l_t, s_l_e, TOP_K, TOPK_GROUP, GROUPED, NORM, ALWAYS, BLOCK_S, BLOCK_G, BLOCK_J, BLOCK_K)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _align_kernel(
     ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_blocks,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -168,7 +171,7 @@ def _align_kernel(
                  BLOCK_N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_blocks"])
 def _route_align_kernel(
     logits_ptr, bias_ptr, ids_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
     num_tokens, n_group, experts_per_group, scaling, s_l_t, s_l_e, num_blocks,
@@ -184,7 +187,7 @@ def _route_align_kernel(
                  BLOCK_M, BLOCK_E, BLOCK_N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_blocks"])
 def _logits_route_align_kernel(
     x_ptr, w_ptr, logits_ptr, arrivals_ptr, bias_ptr, ids_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
     num_padded_ptr, num_tokens, hidden, num_experts, n_group, experts_per_group, scaling, s_x_t, s_x_k, s_w_e, s_w_k,

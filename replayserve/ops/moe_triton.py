@@ -26,7 +26,9 @@ from torch import Tensor
 from replayserve.ops.moe_route_triton import align_by_expert
 
 
-@triton.jit
+# The step's pair count only masks gathered rows: not specialised on (== 1, divisible by 16), which
+# would compile variants mid-serving.
+@triton.jit(do_not_specialize=["num_pairs"])
 def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
     num_pairs, n_out, k_in, pairs_per_row,

@@ -92,7 +92,9 @@ def _attend_key_tile(
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+# The sequence count and the block table's row stride (its width: the step's longest table) change
+# every step; specialising on them (== 1, divisible by 16) would compile variants mid-serving.
+@triton.jit(do_not_specialize=["num_seqs", "s_bt_s"])
 def _paged_prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, sl_ptr, out_ptr,
     qk_scale, num_seqs, group, block_size,

@@ -10,7 +10,9 @@ import triton.language as tl
 from torch import Tensor
 
 
-@triton.jit
+# `rows` (the step's decode rows) is not specialised on (== 1, divisible by 16): BLOCK already
+# follows it, and an eager step of any row count then reuses the variant of its graph bucket.
+@triton.jit(do_not_specialize=["rows"])
 def _replay_prepare_kernel(rs_ptr, hist_ptr, flush_ptr, slots_ptr, ntok_ptr, fresh_ptr, rows, window,
                            BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -25,7 +27,7 @@ def _replay_prepare_kernel(rs_ptr, hist_ptr, flush_ptr, slots_ptr, ntok_ptr, fre
     tl.store(flush_ptr + safe, (m + n > window).to(tl.uint8), mask=real)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _replay_commit_kernel(rs_ptr, hist_ptr, flush_ptr, slots_ptr, nacc_ptr, rows, R, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     slot = tl.load(slots_ptr + offs, mask=offs < rows, other=-1)

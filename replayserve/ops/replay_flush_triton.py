@@ -32,7 +32,9 @@ from torch import Tensor
 from replayserve.ops.replay_cursors_triton import flag_bytes
 
 
-@triton.jit
+# `rows` changes every step; BLOCK_ROWS follows it, and not specialising on its value (== 1,
+# divisible by 16) lets an eager step of any row count reuse the variant of its graph bucket.
+@triton.jit(do_not_specialize=["rows"])
 def _replay_flush_kernel(
     state_ptr, xr_ptr, dr_ptr, br_ptr, rs_ptr, hist_ptr, flush_ptr, slots_ptr, A_ptr,
     rows, R, dim, dstate, nheads, heads_per_group,

@@ -98,12 +98,22 @@ def varlen_chunks(seq_lens: Sequence[int], phases: Sequence[int], chunk_size: in
             lens.append(hi - lo)
         token += length
         offsets.append(len(seqs))
-    flat = torch.tensor(seqs + starts + lens + offsets, dtype=torch.int32).to(device, non_blocking=True)
     count = len(seqs)
-    return VarlenChunks(flat[: 3 * count].view(3, count), flat[3 * count :], count, token, chunk_size, tuple(starts))
+    # seq_chunks starts on 16 bytes (4 int32), as a tensor of its own would: Triton compiles a
+    # kernel variant per alignment of a pointer.
+    pad = [0] * (-3 * count % 4)
+    flat = torch.tensor(seqs + starts + lens + pad + offsets, dtype=torch.int32).to(device, non_blocking=True)
+    return VarlenChunks(flat[: 3 * count].view(3, count), flat[3 * count + len(pad) :], count, token, chunk_size,
+                        tuple(starts))
 
 
-@triton.jit
+# Sizes that change every step. Triton would compile a variant of each kernel per combination of
+# their "== 1" and "divisible by 16" properties, mid-serving; they only offset scalar table loads and
+# head rows of tokens at data-dependent starts, so specialising on them buys nothing.
+_STEP_SIZES = ["num_chunks", "num_tokens"]
+
+
+@triton.jit(do_not_specialize=_STEP_SIZES)
 def _chunk_cumsum_kernel(
     dt_ptr, A_ptr, dt_bias_ptr, table_ptr, delta_ptr, cum_ptr,
     num_chunks, num_tokens, nheads, dt_min, dt_max, s_dt_t, s_dt_h,
@@ -129,7 +139,7 @@ def _chunk_cumsum_kernel(
     tl.store(cum_ptr + out, cum, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_STEP_SIZES)
 def _chunk_state_kernel(
     x_ptr, B_ptr, delta_ptr, cum_ptr, table_ptr, states_ptr,
     num_chunks, num_tokens, dim, dstate, heads_per_group,
@@ -165,7 +175,7 @@ def _chunk_state_kernel(
     tl.store(out, acc, mask=mask_p[:, None] & mask_n[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_STEP_SIZES)
 def _state_passing_kernel(
     states_ptr, cum_ptr, table_ptr, seq_chunks_ptr, pool_ptr, slots_ptr, capture_ptr, end_ptr,
     num_chunks, num_tokens, dim, dstate, s_st_c, s_st_h,
@@ -202,7 +212,7 @@ def _state_passing_kernel(
             tl.store(pool_ptr + dst * s_pool_slot + in_row, state.to(pool_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_STEP_SIZES)
 def _chunk_scan_kernel(
     x_ptr, B_ptr, C_ptr, D_ptr, delta_ptr, cum_ptr, states_ptr, table_ptr, y_ptr,
     num_chunks, num_tokens, dim, dstate, heads_per_group,

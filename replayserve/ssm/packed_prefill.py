@@ -64,20 +64,22 @@ def build_prefill_plan(segments: Sequence[Segment], chunk_size: int, device: tor
                    for (_, _, _, caps, _), n in zip(segments, lens, strict=True)]
     any_capture = bool(rows) or any(d >= 0 for d in end_capture)
 
-    # Every index list in one host-to-device copy, then views of it.
+    # Every index list in one host-to-device copy, then views of it, each padded to whole 16 bytes:
+    # Triton compiles a kernel variant per alignment of a pointer, and every view is then as aligned
+    # as a tensor of its own, whatever the step's list lengths.
     fields = {
         "cu_seqlens": [0, *[start + n for start, n in zip(starts, lens, strict=True)]],
         "slots": [seg[2] for seg in segments], "phases": phases,
         "capture_seq": [r[0] for r in rows], "capture_end": [r[1] for r in rows], "capture_dst": [r[2] for r in rows],
         "chunk_capture": chunk_capture if any_capture else [], "end_capture": end_capture if any_capture else [],
     }
-    flat = torch.tensor([v for values in fields.values() for v in values], dtype=torch.int64).to(device,
-                                                                                                non_blocking=True)
+    padded = [values + [0] * (-len(values) % 2) for values in fields.values()]  # 2 int64 in 16 bytes
+    flat = torch.tensor([v for values in padded for v in values], dtype=torch.int64).to(device, non_blocking=True)
     views: dict[str, torch.Tensor | None] = {}
     at = 0
-    for name, values in fields.items():
+    for (name, values), stored in zip(fields.items(), padded, strict=True):
         views[name] = flat[at : at + len(values)] if values else None
-        at += len(values)
+        at += len(stored)
     captures = (views.pop("capture_seq"), views.pop("capture_end"), views.pop("capture_dst"))
     tokens = torch.arange(sum(lens), device=device)
     views["token_seq"] = torch.searchsorted(views["cu_seqlens"], tokens, right=True) - 1

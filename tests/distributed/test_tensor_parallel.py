@@ -2,7 +2,8 @@
 rank to round-off and the same tokens over 64 greedy (and seeded sampled) tokens, with both SSM
 backends, prefix caching (align, all) and speculation (n-gram, MTP); models whose n_groups the
 ranks do not divide, whose KV heads are fewer than the ranks, whose vocabulary the ranks do not
-divide, with MoE layers."""
+divide, with MoE layers. The tensor-parallel engine is warmed up first (`Engine.warm_up`: the
+workers replay its steps and its decode-graph preparation), the one-rank reference is not."""
 
 from __future__ import annotations
 
@@ -78,6 +79,7 @@ def runs(request: pytest.FixtureRequest, model_dirs: dict[str, Path]) -> Iterato
     reference = _workload(_llm(model_dirs[name], 1, backend, mode, speculative))
     llm = _llm(model_dirs[name], ranks, backend, mode, speculative)
     try:
+        llm.engine.warm_up()
         yield reference, _workload(llm), llm
     finally:
         llm.close()
