@@ -28,6 +28,22 @@ def pytest_report_header() -> str | None:
     return "tests/server left out: the server extra is not installed" if collect_ignore else None
 
 
+@pytest.fixture(autouse=True)
+def _llm_warms_up_only_where_tested(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA every `LLM` warms up (every decode graph, every kernel variant: seconds each) and
+    the suite builds hundreds; only tests marked `warmup` (the warm-up's own) keep it."""
+    if not torch.cuda.is_available() or request.node.get_closest_marker("warmup"):
+        return
+    from replayserve import LLM
+
+    build = LLM.__init__
+
+    def without_warm_up(self, *args, warmup: bool = False, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+        build(self, *args, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(LLM, "__init__", without_warm_up)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Nemotron-H (Mamba, attention, MLP and MoE layers) written by `make-tiny`."""

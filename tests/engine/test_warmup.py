@@ -20,6 +20,8 @@ from replayserve.ssm.replay import ReplayBackend
 from replayserve.tiny import make_tiny
 from tests.conftest import assert_pools_full
 
+pytestmark = pytest.mark.warmup  # keeps LLM's warm-up on CUDA (tests/conftest.py turns it off elsewhere)
+
 NGRAM = {"speculative": {"method": "ngram", "num_speculative_tokens": 2}}
 PREFIX_ALL = {"enable_prefix_caching": True, "mamba_cache_mode": "all"}
 
