@@ -106,6 +106,7 @@ def test_make_tiny_refuses_a_non_empty_directory(tmp_path: Path, capsys: pytest.
     ([], "required"),
     (["serve-everything"], "invalid choice"),
     (["demo", "--num-drafts", "0"], "--num-drafts"),
+    (["demo", "--repeats", "0"], "--repeats"),
     (["generate", "--model", "/no/such/dir", "--prompt", "x"], "does not exist"),
     (["generate", "--model", "{model}", "--prompt", "x", "--dtype", "int8"], "invalid choice"),
     (["generate", "--model", "{model}", "--prompt", "x", "--speculative", "{oops"], "not valid JSON"),
