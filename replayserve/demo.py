@@ -46,6 +46,8 @@ class SpecRun:
     texts: list[str] = field(default_factory=list)
     counters: dict[str, float] = field(default_factory=dict)  # the engine's, over the timed runs
     device: str = "cpu"
+    cpu_threads: int | None = None  # on the CPU: the engine's intra-op threads
+    cpu_busy: list[float] = field(default_factory=list)  # this process's CPU seconds per second of each run
 
     @property
     def median(self) -> float:
@@ -74,9 +76,10 @@ class SpecRun:
     def time_once(self, llm: LLM, params: SamplingParams) -> float:
         """One timed greedy run over every prompt at once; adds the engine counters it moved."""
         before = llm.get_metrics()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         outputs = llm.generate(DEMO_PROMPTS, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
+        self.cpu_busy.append((time.process_time() - cpu_start) / elapsed)
         after = llm.get_metrics()
         for k in _COUNTERS:
             self.counters[k] = self.counters.get(k, 0) + after[k] - before[k]
@@ -141,6 +144,7 @@ def _engine(model: str, run: SpecRun, engine: dict[str, Any], first: bool) -> It
         if first:
             say(f"running on {_where(llm)}")
         run.device = llm.config.device
+        run.cpu_threads = None if llm.cpu_threads is None else llm.cpu_threads.count
         llm.generate(DEMO_PROMPTS, SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS), use_tqdm=False)
         say(f"[{run.name}] loaded and warmed up in {time.perf_counter() - start:.1f} s")
         yield llm
@@ -165,8 +169,19 @@ def _print_table(runs: list[SpecRun], max_tokens: int, repeats: int) -> None:
         assert r.speculative is not None
         say(verdict(r, base, r.speculative["num_speculative_tokens"], on_cpu))
     if on_cpu:
-        say("CPU figures are noisy: other processes and the OS scheduler move them by tens of percent from run to "
+        say(cpu_note(runs))
+
+
+def cpu_note(runs: list[SpecRun]) -> str:
+    """That CPU figures are noisy, and how much of its threads' time this process got."""
+    note = ("CPU figures are noisy: other processes and the OS scheduler move them by tens of percent from run to "
             "run (the range columns show this run's); --repeats R takes more rounds.")
+    threads = runs[0].cpu_threads or 1
+    share = statistics.median(b for r in runs for b in r.cpu_busy) / threads
+    if share < 0.9:
+        note += (f" Here the demo's {threads} thread{'' if threads == 1 else 's'} ran {share:.0%} of the time (other "
+                 "processes held the cores the rest), so its tok/s are below an idle machine's.")
+    return note
 
 
 def verdict(run: SpecRun, base: SpecRun, num_drafts: int, on_cpu: bool) -> str:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from replayserve.demo import SpecRun, run_demo, verdict
+from replayserve.demo import SpecRun, cpu_note, run_demo, verdict
 from replayserve.engine.request import SamplingParams
 from replayserve.llm import LLM
 from replayserve.tiny_code import TINY_CODE, resolve_model
@@ -79,3 +79,12 @@ def test_rounds_that_disagree_are_no_clear_difference_and_a_faster_row_says_fast
         _run("n-gram", [290, 340, 305], 6.2), base, 3, on_cpu=True)
     assert verdict(_run("n-gram", [400, 420, 410], 9.0), base, 3, on_cpu=True).startswith(
         "n-gram: 1.32x faster than no drafts")
+
+
+def test_the_cpu_note_says_how_much_of_its_threads_time_the_demo_got() -> None:
+    contended = [SpecRun("none", None, cpu_busy=[0.3, 0.35, 0.4], cpu_threads=1),
+                 SpecRun("n-gram", {}, cpu_busy=[0.3, 0.2, 0.3], cpu_threads=1)]
+    assert cpu_note(contended).startswith("CPU figures are noisy")
+    assert "the demo's 1 thread ran 30% of the time" in cpu_note(contended)
+    idle = [SpecRun("none", None, cpu_busy=[1.9, 2.0, 1.95], cpu_threads=2)]
+    assert "of the time" not in cpu_note(idle)
