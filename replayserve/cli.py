@@ -126,6 +126,8 @@ def _demo(args: argparse.Namespace) -> None:
 
     if args.num_drafts < 1:
         raise UserError(f"--num-drafts must be >= 1, got {args.num_drafts}")
+    if args.repeats < 1:
+        raise UserError(f"--repeats must be >= 1 (the rounds the medians are taken over), got {args.repeats}")
     run_demo(_model_dir(args.model), args.max_tokens, args.repeats, args.num_drafts, engine_options(args))
 
 
@@ -230,8 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="continue a few Python prompts with the built-in model; tok/s and "
                                        "acceptance without speculation and with n-gram and MTP drafts")
     _add_model_option(demo)
-    demo.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt (default %(default)s)")
-    demo.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up (default %(default)s)")
+    # 5 rounds of 56 tokens: on 2 cores shared with two busy processes a demo took 39-53 s, and in
+    # two of three sets of three demos every row's medians agreed within 25% (each row's spread in
+    # a set: 8-21%; in the third 34% for one row); an idle VM alone moves a whole demo by about 10%.
+    demo.add_argument("--max-tokens", type=int, default=56, help="tokens per prompt (default %(default)s)")
+    demo.add_argument("--repeats", type=int, default=5,
+                      help="timed rounds after a warm-up, each running every configuration once; medians and "
+                           "ranges are over them (default %(default)s)")
     demo.add_argument("--num-drafts", type=int, default=3,
                       help="draft tokens per step of the n-gram and MTP rows (default %(default)s)")
     add_engine_options(demo)

@@ -12,11 +12,12 @@ greedy decode of the built-in model ran at 6-146 tok/s on torch's default of 2 t
 The count, the first rule that applies:
 1. `LLM(cpu_threads=N)` / `--threads N`;
 2. `OMP_NUM_THREADS`, when the user set it (its first number, as OpenMP reads it);
-3. the idle cores: the CPUs this process may run on (at most torch's default count), less what
-   other processes use now, measured as the idle share of the machine's CPUs over 0.25 s
-   (`/proc/stat`; where there is none, the 1-minute load average), rounded down with a tenth of a
-   core of slack, at least 1, divided among tensor-parallel ranks. It is measured once per process,
-   before the first engine loads, so every engine of a process (the demo's rows) gets the same count.
+3. the idle cores: the CPUs this process may run on (its affinity, at most torch's default count
+   and a container's cgroup quota), less what other processes use now, measured as the idle share
+   of those CPUs over 0.25 s (`/proc/stat`; where there is none, the 1-minute load average),
+   rounded down with a tenth of a core of slack, at least 1, divided among tensor-parallel ranks.
+   It is measured once per process, before the first engine loads, so every engine of a process
+   (the demo's rows) gets the same count.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ import logging
 import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -88,37 +91,59 @@ def apply_cpu_threads(choice: ThreadChoice) -> None:
 
 @functools.cache
 def _machine_load() -> tuple[int, float]:
-    """(usable CPUs, idle CPUs now), measured on the first call only."""
-    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    usable = max(1, min(len(affinity), torch.get_num_threads()))
-    idle = _idle_cpus_from_proc_stat()
+    """(usable CPUs, idle CPUs among them now), measured on the first call only."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    usable = max(1, min(len(cpus), torch.get_num_threads(), cgroup_cpu_limit() or len(cpus)))
+    idle = _idle_cpus_from_proc_stat(cpus)
     if idle is None:
         idle = _idle_cpus_from_load_average()
-    return usable, usable if idle is None else idle
+    return usable, usable if idle is None else min(idle, usable)
 
 
-def _idle_cpus_from_proc_stat() -> float | None:
-    """Idle cores of the whole machine over SAMPLE_SECONDS (Linux), None where /proc/stat is absent."""
+def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """The CPUs a cgroup quota allows (a container's --cpus), rounded up; None when unlimited or
+    unknown. cgroup v2 (`cpu.max`: "200000 100000" or "max 100000") or v1 (`cpu/cpu.cfs_quota_us`)."""
     try:
-        before = _cpu_times()
+        try:
+            quota, period = (root / "cpu.max").read_text().split()
+        except FileNotFoundError:
+            quota = (root / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+            period = (root / "cpu" / "cpu.cfs_period_us").read_text().strip()
+        if quota in ("max", "-1"):
+            return None
+        return max(1, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        return None
+
+
+def idle_ticks(proc_stat: str, cpus: Sequence[int]) -> tuple[int, int, int]:
+    """(CPUs found, idle + iowait ticks, all ticks) summed over the `cpuN` lines of /proc/stat's
+    text for N in `cpus`."""
+    wanted = {f"cpu{n}" for n in cpus}
+    found = idle = total = 0
+    for line in proc_stat.splitlines():
+        name, *values = line.split()
+        if name in wanted:
+            # user nice system idle iowait irq softirq steal (guest time is already in user)
+            ticks = [int(v) for v in values[:8]]
+            found, idle, total = found + 1, idle + ticks[3] + ticks[4], total + sum(ticks)
+    return found, idle, total
+
+
+def _idle_cpus_from_proc_stat(cpus: Sequence[int]) -> float | None:
+    """Idle cores among `cpus` over SAMPLE_SECONDS (Linux), None where /proc/stat is absent."""
+    stat = Path("/proc/stat")
+    try:
+        found, idle0, total0 = idle_ticks(stat.read_text(), cpus)
         time.sleep(SAMPLE_SECONDS)
-        after = _cpu_times()
+        _, idle1, total1 = idle_ticks(stat.read_text(), cpus)
     except (OSError, ValueError, IndexError):
         return None
-    cpus, (idle0, total0), (idle1, total1) = after[0], before[1], after[1]
+    if found == 0:
+        return None
     if total1 <= total0:
-        return float(cpus)
-    return cpus * (idle1 - idle0) / (total1 - total0)
-
-
-def _cpu_times() -> tuple[int, tuple[int, int]]:
-    """(CPU count, (idle + iowait ticks, all ticks)) of /proc/stat's summary line."""
-    with open("/proc/stat") as f:
-        lines = f.read().splitlines()
-    # user nice system idle iowait irq softirq steal (guest time is already in user)
-    ticks = [int(v) for v in lines[0].split()[1:9]]
-    cpus = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
-    return cpus, (ticks[3] + ticks[4], sum(ticks))
+        return float(found)
+    return found * (idle1 - idle0) / (total1 - total0)
 
 
 def _idle_cpus_from_load_average() -> float | None:

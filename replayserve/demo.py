@@ -1,15 +1,20 @@
 """`replayserve demo`: the built-in model's Python continuations of a few prompts, then greedy decode
 speed without speculation and with n-gram and MTP drafts, with the acceptance the engine measured.
 
-It prints as it goes (a line per timed run, the continuations once the first configuration has
-run), then a table of medians with their range over the runs, and a sentence per drafting row
-saying whether it was faster, slower or within the noise, and why."""
+The configurations are timed in rounds, each round running every configuration once, so a burst
+of load from other processes falls on all rows alike and each speed-up compares runs made side by
+side. (A tensor-parallel engine holds the process group, so with `tensor_parallel_size` > 1 the
+configurations run one after another instead.) It prints as it goes: a line per timed run, the
+continuations after the first round, then a table of medians with their range over the rounds
+and a sentence per drafting row saying whether it was faster, slower (and why) or within the noise."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from replayserve.engine.request import SamplingParams
@@ -27,18 +32,22 @@ DEMO_PROMPTS = [
 ]
 # Warm-up: every prompt, a few tokens, so the timed runs meet no first-use cost of the batch's shapes.
 WARMUP_TOKENS = 8
+_COUNTERS = ("spec_num_draft_tokens", "spec_num_accepted_tokens", "num_steps", "num_generated_tokens")
 
 
 @dataclass
 class SpecRun:
-    """One configuration's greedy runs over the demo prompts."""
+    """One configuration's timed greedy runs over the demo prompts, one per round."""
 
     name: str
-    rates: list[float]  # tok/s of each timed run
-    acceptance: float | None  # accepted / proposed drafts; None without speculation
-    tokens_per_step: float  # over all rows of a step
-    token_ids: list[list[int]]
-    device: str
+    speculative: dict | None
+    rates: list[float] = field(default_factory=list)  # tok/s of each round
+    token_ids: list[list[int]] = field(default_factory=list)  # of the last run
+    texts: list[str] = field(default_factory=list)
+    counters: dict[str, float] = field(default_factory=dict)  # the engine's, over the timed runs
+    device: str = "cpu"
+    cpu_threads: int | None = None  # on the CPU: the engine's intra-op threads
+    cpu_busy: list[float] = field(default_factory=list)  # this process's CPU seconds per second of each run
 
     @property
     def median(self) -> float:
@@ -48,43 +57,41 @@ class SpecRun:
     def spread(self) -> str:
         return f"{min(self.rates):.0f}-{max(self.rates):.0f}"
 
+    @property
+    def acceptance(self) -> float | None:
+        """Accepted / proposed drafts; None without speculation."""
+        if self.speculative is None:
+            return None
+        return self.counters["spec_num_accepted_tokens"] / max(1, self.counters["spec_num_draft_tokens"])
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a step advanced, over all rows."""
+        return self.counters["num_generated_tokens"] / max(1, self.counters["num_steps"])
+
+    def speedups(self, base: SpecRun) -> list[float]:
+        """This row's rate over the base row's, round by round."""
+        return [mine / theirs for mine, theirs in zip(self.rates, base.rates, strict=True)]
+
+    def time_once(self, llm: LLM, params: SamplingParams) -> float:
+        """One timed greedy run over every prompt at once; adds the engine counters it moved."""
+        before = llm.get_metrics()
+        start, cpu_start = time.perf_counter(), time.process_time()
+        outputs = llm.generate(DEMO_PROMPTS, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        self.cpu_busy.append((time.process_time() - cpu_start) / elapsed)
+        after = llm.get_metrics()
+        for k in _COUNTERS:
+            self.counters[k] = self.counters.get(k, 0) + after[k] - before[k]
+        self.token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+        self.texts = [o.outputs[0].text for o in outputs]
+        self.rates.append(sum(len(ids) for ids in self.token_ids) / elapsed)
+        return self.rates[-1]
+
 
 def say(line: str = "") -> None:
     """A line out now, also when stdout is a pipe (the demo runs for tens of seconds)."""
     print(line, flush=True)
-
-
-def measure(model: str, name: str, speculative: dict | None, max_tokens: int, repeats: int,
-            engine: dict[str, Any], first: bool) -> tuple[SpecRun, list[str]]:
-    """Greedy generation for every demo prompt at once, timed `repeats` times after a warm-up, a
-    line per run; acceptance and tokens per step come from the engine's counters over the timed
-    runs. `first`: also say where it runs. Returns the run and the last run's texts."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    # Closed before the next configuration's: a tensor-parallel LLM's workers hold the process group.
-    with LLM(model=model, **{**engine, "speculative": speculative, "max_num_seqs": len(DEMO_PROMPTS)}) as llm:
-        if first:
-            say(f"running on {_where(llm)}")
-        llm.generate(DEMO_PROMPTS, SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS), use_tqdm=False)
-        say(f"[{name}] loaded and warmed up in {time.perf_counter() - start:.1f} s")
-        before = llm.get_metrics()
-        rates = []
-        for i in range(repeats):
-            start = time.perf_counter()
-            outputs = llm.generate(DEMO_PROMPTS, params, use_tqdm=False)
-            elapsed = time.perf_counter() - start
-            rates.append(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed)
-            say(f"[{name}] run {i + 1}/{repeats}: {rates[-1]:.0f} tok/s ({elapsed:.1f} s)")
-        after = llm.get_metrics()
-    delta = {k: after[k] - before[k] for k in ("spec_num_draft_tokens", "spec_num_accepted_tokens", "num_steps",
-                                               "num_generated_tokens")}
-    acceptance = None
-    if speculative is not None:
-        acceptance = delta["spec_num_accepted_tokens"] / max(1, delta["spec_num_draft_tokens"])
-    run = SpecRun(name, rates, acceptance, delta["num_generated_tokens"] / delta["num_steps"],
-                  [list(o.outputs[0].token_ids) for o in outputs], llm.config.device)
-    say(f"[{name}] median {run.median:.0f} tok/s, range {run.spread} over {repeats} run(s)")
-    return run, [o.outputs[0].text for o in outputs]
 
 
 def run_demo(model: str, max_tokens: int, repeats: int, num_drafts: int, engine: dict[str, Any]) -> None:
@@ -97,51 +104,104 @@ def run_demo(model: str, max_tokens: int, repeats: int, num_drafts: int, engine:
     else:
         configs.append(("n-gram", {"method": "ngram", "num_speculative_tokens": num_drafts}))
         configs.append(("MTP", {"method": "mtp", "num_speculative_tokens": num_drafts}))
-    configs = [(n, s) for n, s in configs if s is None or s.get("method") != "mtp" or _has_mtp(model)]
+    runs = [SpecRun(n, s) for n, s in configs if s is None or s.get("method") != "mtp" or _has_mtp(model)]
+    side_by_side = engine.get("tensor_parallel_size", 1) == 1
+    share = engine.get("gpu_memory_utilization", 0.9)
+    if side_by_side and isinstance(share, float | int) and 0 < share <= 1:  # else LLM names the bad value
+        engine = {**engine, "gpu_memory_utilization": share / len(runs)}  # the engines share the card
     say(f"greedy decode of {len(DEMO_PROMPTS)} prompts x {max_tokens} tokens with drafts "
-        f"{', '.join(n for n, _ in configs)}; each: a warm-up, then {repeats} timed run(s), the median counts")
-    runs: list[tuple[SpecRun, dict | None]] = []
-    for name, spec in configs:
-        run, texts = measure(model, name, spec, max_tokens, repeats, engine, first=not runs)
-        if not runs:
-            _print_continuations(texts)
-        runs.append((run, spec))
-    base = runs[0][0]
-    on_cpu = base.device.startswith("cpu")
+        f"{', '.join(r.name for r in runs)}: a warm-up, then {repeats} timed round(s), "
+        + ("each running every configuration once" if side_by_side else "one configuration after another"))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    if side_by_side:
+        with contextlib.ExitStack() as stack:
+            engines = [stack.enter_context(_engine(model, run, engine, first=run is runs[0])) for run in runs]
+            for i in range(repeats):
+                for run, llm in zip(runs, engines, strict=True):
+                    _time_and_say(run, llm, params, i, repeats)
+                if i == 0:
+                    _print_continuations(runs[0].texts)
+    else:
+        for run in runs:  # closed before the next: a tensor-parallel LLM's workers hold the process group
+            with _engine(model, run, engine, first=run is runs[0]) as llm:
+                for i in range(repeats):
+                    _time_and_say(run, llm, params, i, repeats)
+            if run is runs[0]:
+                _print_continuations(runs[0].texts)
+    _print_table(runs, max_tokens, repeats)
+
+
+def _time_and_say(run: SpecRun, llm: LLM, params: SamplingParams, index: int, repeats: int) -> None:
+    rate = run.time_once(llm, params)
+    say(f"[{run.name}] run {index + 1}/{repeats}: {rate:.0f} tok/s")
+
+
+@contextlib.contextmanager
+def _engine(model: str, run: SpecRun, engine: dict[str, Any], first: bool) -> Iterator[LLM]:
+    """The configuration's LLM, warmed up; says where it runs when `first`."""
+    start = time.perf_counter()
+    with LLM(model=model, **{**engine, "speculative": run.speculative, "max_num_seqs": len(DEMO_PROMPTS)}) as llm:
+        if first:
+            say(f"running on {_where(llm)}")
+        run.device = llm.config.device
+        run.cpu_threads = None if llm.cpu_threads is None else llm.cpu_threads.count
+        llm.generate(DEMO_PROMPTS, SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS), use_tqdm=False)
+        say(f"[{run.name}] loaded and warmed up in {time.perf_counter() - start:.1f} s")
+        yield llm
+
+
+def _print_table(runs: list[SpecRun], max_tokens: int, repeats: int) -> None:
+    base = runs[0]
     say()
     say(f"greedy decode of {len(DEMO_PROMPTS)} prompts x {max_tokens} tokens, median and range of {repeats} "
-        "timed run(s):")
-    say("| drafts | tok/s (median) | range | speed-up | acceptance | tokens/step | same tokens as none |")
-    say("|---|---:|---:|---:|---:|---:|---|")
-    for r, _ in runs:
+        "round(s); speed-up: this row's tok/s over no drafts' in the same round:")
+    say("| drafts | tok/s | tok/s range | speed-up | speed-up range | acceptance | tokens/step | same tokens as none |")
+    say("|---|---:|---:|---:|---:|---:|---:|---|")
+    for r in runs:
         acc = "-" if r.acceptance is None else f"{r.acceptance:.0%}"
+        ratios = r.speedups(base)
+        spread = "-" if r is base else f"{min(ratios):.2f}-{max(ratios):.2f}x"
         same = sum(a == b for a, b in zip(r.token_ids, base.token_ids, strict=True))
-        say(f"| {r.name} | {r.median:.0f} | {r.spread} | {r.median / base.median:.2f}x | {acc} | "
+        say(f"| {r.name} | {r.median:.0f} | {r.spread} | {statistics.median(ratios):.2f}x | {spread} | {acc} | "
             f"{r.tokens_per_step:.2f} | {same}/{len(base.token_ids)} |")
-    for r, spec in runs[1:]:
-        assert spec is not None
-        say(verdict(r, base, spec["num_speculative_tokens"], on_cpu))
+    on_cpu = base.device.startswith("cpu")
+    for r in runs[1:]:
+        assert r.speculative is not None
+        say(verdict(r, base, r.speculative["num_speculative_tokens"], on_cpu))
     if on_cpu:
-        say("CPU figures are noisy: other processes and the OS scheduler move them by tens of percent from run to "
-            "run (the range column shows this run's); --repeats R takes more runs.")
+        say(cpu_note(runs))
+
+
+def cpu_note(runs: list[SpecRun]) -> str:
+    """That CPU figures are noisy, and how much of its threads' time this process got."""
+    note = ("CPU figures are noisy: other processes and the OS scheduler move them by tens of percent from run to "
+            "run (the range columns show this run's); --repeats R takes more rounds.")
+    threads = runs[0].cpu_threads or 1
+    share = statistics.median(b for r in runs for b in r.cpu_busy) / threads
+    if share < 0.9:
+        note += (f" Here the demo's {threads} thread{'' if threads == 1 else 's'} ran {share:.0%} of the time (other "
+                 "processes held the cores the rest), so its tok/s are below an idle machine's.")
+    return note
 
 
 def verdict(run: SpecRun, base: SpecRun, num_drafts: int, on_cpu: bool) -> str:
-    """One sentence on a drafting row against no drafts: faster, slower, or within the noise
-    (the runs' ranges overlap), with the step time and tokens per step behind it."""
-    speedup = run.median / base.median
+    """One sentence on a drafting row against no drafts: faster or slower when every round says
+    so, else within the noise; with the step time and tokens per step behind it."""
+    ratios = run.speedups(base)
+    speedup = statistics.median(ratios)
     # Seconds per step relative to no drafts: (tokens / step) / (tokens / s).
     step_time = (run.tokens_per_step / run.median) / (base.tokens_per_step / base.median)
     advance = run.tokens_per_step / base.tokens_per_step
     why = (f"a step took {step_time:.1f}x as long as without drafts (it proposes up to {num_drafts} drafts per row "
            f"and verifies them with the row's token) and advanced {advance:.2f}x as many tokens")
-    if min(run.rates) <= max(base.rates) and min(base.rates) <= max(run.rates):
-        return f"{run.name}: {speedup:.2f}x, within the range of the runs without drafts: no clear difference here."
-    if speedup < 1:
+    if max(ratios) < 1:
         cpu = " A step's time on a CPU grows with the tokens it runs, so drafts pay only when most are accepted."
         return (f"{run.name}: {speedup:.2f}x: slower than no drafts; drafts cost more than they save here: {why}."
                 + (cpu if on_cpu else ""))
-    return f"{run.name}: {speedup:.2f}x faster than no drafts: {why}."
+    if min(ratios) > 1:
+        return f"{run.name}: {speedup:.2f}x faster than no drafts: {why}."
+    return (f"{run.name}: {speedup:.2f}x, but the rounds disagree ({min(ratios):.2f}-{max(ratios):.2f}x): "
+            "no clear difference from no drafts here.")
 
 
 def _where(llm: LLM) -> str:

@@ -110,6 +110,7 @@ def test_make_tiny_refuses_a_non_empty_directory(tmp_path: Path, capsys: pytest.
     ([], "required"),
     (["serve-everything"], "invalid choice"),
     (["demo", "--num-drafts", "0"], "--num-drafts"),
+    (["demo", "--repeats", "0"], "--repeats"),
     (["generate", "--model", "/no/such/dir", "--prompt", "x"], "does not exist"),
     (["generate", "--model", "{readme}", "--prompt", "x"], "is a file, not a model directory"),
     (["generate", "--prompt", "x", "--frobnicate"], "unrecognized arguments: --frobnicate (see replayserve "

@@ -15,7 +15,7 @@ import torch
 from replayserve import LLM
 from replayserve.cli import main
 from replayserve.config import ConfigError, EngineConfig
-from replayserve.cpu_threads import choose_cpu_threads, threads_for_idle
+from replayserve.cpu_threads import cgroup_cpu_limit, choose_cpu_threads, idle_ticks, threads_for_idle
 from replayserve.tiny import tiny_config
 
 
@@ -67,6 +67,32 @@ def test_the_idle_cores_count_is_at_least_1_and_at_most_the_cpus(monkeypatch: py
 ])
 def test_threads_for_idle(usable: int, idle: float, ranks: int, threads: int) -> None:
     assert threads_for_idle(usable, idle, ranks) == threads
+
+
+@pytest.mark.parametrize(("files", "limit"), [
+    ({"cpu.max": "200000 100000\n"}, 2),
+    ({"cpu.max": "150000 100000\n"}, 2),  # 1.5 CPUs: a second thread still gets half a core
+    ({"cpu.max": "max 100000\n"}, None),
+    ({"cpu/cpu.cfs_quota_us": "50000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 1),
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({}, None),
+])
+def test_a_container_cpu_quota_caps_the_usable_cpus(tmp_path: Path, files: dict[str, str], limit: int | None) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cgroup_cpu_limit(tmp_path) == limit
+
+
+def test_idle_ticks_count_only_the_cpus_this_process_may_use() -> None:
+    stat = ("cpu  100 0 100 800 0 0 0 0 0 0\n"
+            "cpu0 50 0 50 0 0 0 0 0 0 0\n"  # busy
+            "cpu1 50 0 50 400 0 0 0 0 0 0\n"
+            "cpu2 0 0 0 400 10 0 0 0 0 0\n"
+            "intr 12345 0 0\n")
+    assert idle_ticks(stat, [0]) == (1, 0, 100)
+    assert idle_ticks(stat, [1, 2]) == (2, 810, 910)
+    assert idle_ticks(stat, [7]) == (0, 0, 0)
 
 
 def test_llm_applies_and_logs_the_choice_on_the_cpu(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
