@@ -91,7 +91,7 @@ def test_serve_defaults_to_the_builtin_model(monkeypatch: pytest.MonkeyPatch, ca
     seen = {}
     monkeypatch.setattr(replayserve.server, "create_app",
                         lambda core, name, waiting, **_: seen.update(core=core, name=name))
-    monkeypatch.setattr(replayserve.server, "serve", lambda app, host, port, timeout: True)
+    monkeypatch.setattr(replayserve.server, "serve", lambda app, *args: True)
     code, _, err = _run(["serve", "--device", "cpu"], capsys)
     assert code == 0, err
     assert seen["name"] == "replayserve/tiny-code" and seen["core"].config.model.num_nextn_predict_layers == 1
