@@ -59,6 +59,12 @@ class RunningServer:
 def start_server(model_dir: Path, **app_options: Any) -> RunningServer:
     llm = LLM(model=str(model_dir), **{**ENGINE_OPTIONS, **app_options.pop("engine", {})})
     app = create_app(llm, MODEL_NAME, **app_options)
+    return RunningServer(llm, app, *run_uvicorn(app))
+
+
+def run_uvicorn(app: FastAPI) -> tuple[uvicorn.Server, threading.Thread, str]:
+    """``app`` under uvicorn on a background thread and an ephemeral port, once it listens:
+    (server, thread, base URL)."""
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -67,7 +73,7 @@ def start_server(model_dir: Path, **app_options: Any) -> RunningServer:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.02)
     port = server.servers[0].sockets[0].getsockname()[1]
-    return RunningServer(llm, app, server, thread, f"http://127.0.0.1:{port}")
+    return server, thread, f"http://127.0.0.1:{port}"
 
 
 def stop_server(running: RunningServer) -> None:

@@ -24,6 +24,7 @@ from replayserve import LLM, SamplingParams
 from replayserve.engine.runner import Runner
 from replayserve.server import create_app
 from replayserve.server.core_process import ProcessCore, run_engine_core
+from tests.server.conftest import run_uvicorn
 
 MODEL_NAME = "tiny"
 OPTIONS: dict[str, Any] = {"dtype": "float64", "device": "cpu", "max_num_seqs": 8}
@@ -66,15 +67,7 @@ def start(model_dir: Path, target: Any = run_engine_core, **app_options: Any) ->
     app = create_app(core, MODEL_NAME, **app_options)
     fatal = threading.Event()
     app.state.on_fatal = fatal.set
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    return ProcessServer(core, app, server, thread, f"http://127.0.0.1:{port}", fatal)
+    return ProcessServer(core, app, *run_uvicorn(app), fatal)
 
 
 @pytest.fixture(scope="module")
