@@ -31,6 +31,9 @@ class ReplayBackend(SSMBackend):
             raise ValueError(f"replay_window={layout.window} must be >= tokens per step {layout.tokens_per_step}")
         self.layout = layout
         self._prepare, self._step, self._commit, self._materialize = _kernels(device)
+        # The references take padded rows as slot -1; the fixed-shape decode path pads with the pad
+        # slot (the last, which no pool hands out), which the kernels write in parallel, harmlessly.
+        self._pad_slot = None if device.type == "cuda" else layout.num_slots - 1
 
         def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
             # Zero-initialised: padded and never-used slots must hold finite values.
@@ -82,7 +85,8 @@ class ReplayBackend(SSMBackend):
     def begin_step(self, slots: torch.Tensor, num_tokens: torch.Tensor) -> None:
         super().begin_step(slots, num_tokens)
         fresh = torch.zeros_like(slots, dtype=torch.bool)  # fresh slots were reset at admission
-        self._prepare(self.ring_start, self.history, self.is_flush, slots, num_tokens, fresh, self.layout.window)
+        self._prepare(self.ring_start, self.history, self.is_flush, self._rows(slots), num_tokens, fresh,
+                      self.layout.window)
 
     def decode(
         self, layer: int, slots: torch.Tensor, xbc: torch.Tensor, dt: torch.Tensor, params: MambaParams,
@@ -94,7 +98,7 @@ class ReplayBackend(SSMBackend):
         ones = self._ones[: slots.shape[0]]
         y = self._step(
             self.ssm_state[layer], self.x_ring[layer], self.dt_ring[layer], self.b_ring[layer],
-            self.ring_start, self.history, self.is_flush, slots, ones,
+            self.ring_start, self.history, self.is_flush, self._rows(slots), ones,
             x[:, None], dt[:, None], params.A, b[:, None], c[:, None], params.D, params.dt_bias, params.dt_limit,
         )
         return y[:, 0]
@@ -104,10 +108,15 @@ class ReplayBackend(SSMBackend):
         """T tokens from checkpoint + ring; rollback of rejected ones is the commit's cursor move."""
         return self._step(
             self.ssm_state[layer], self.x_ring[layer], self.dt_ring[layer], self.b_ring[layer],
-            self.ring_start, self.history, self.is_flush, slots, num_tokens,
+            self.ring_start, self.history, self.is_flush, self._rows(slots), num_tokens,
             x, dt, params.A, b, c, params.D, params.dt_bias, params.dt_limit,
         )
 
     def end_step(self, slots: torch.Tensor, num_accepted: torch.Tensor) -> None:
         super().end_step(slots, num_accepted)
-        self._commit(self.ring_start, self.history, self.is_flush, slots, num_accepted, self.layout.ring_len)
+        self._commit(self.ring_start, self.history, self.is_flush, self._rows(slots), num_accepted,
+                     self.layout.ring_len)
+
+    def _rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """``slots`` as the references want them: the pad slot's rows as -1 (kernels: unchanged)."""
+        return slots if self._pad_slot is None else slots.masked_fill(slots == self._pad_slot, -1)

@@ -377,3 +377,20 @@ def test_graphed_async_decode_equals_sync(setup, backend: str) -> None:  # noqa:
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             assert abs(next(iter(la.values())).logprob - next(iter(lb.values())).logprob) < 1e-4
+
+
+def test_replay_with_several_padded_rows_equals_sync(setup) -> None:  # noqa: ANN001
+    """5 rows in a bucket of 8: three padded rows share the pad slot, which the ReplaySSM references
+    used to refuse as repeated slots. Past a flush window, the tokens of the baseline backend's
+    variable-shape path."""
+    models, _ = setup
+    prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8]} for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    outputs = []
+    for async_scheduling in (False, True):
+        llm = _llm(models.target, async_scheduling, max_num_seqs=8, ssm_backend="replay", replay_window=8)
+        outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        assert_pools_full(llm)
+    plain = LLM(model=str(models.target), dtype="float64", device="cpu", max_model_len=MAX_MODEL_LEN)
+    assert outputs[0] == outputs[1] == [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert llm.get_metrics()["num_overlapped_steps"] > 0
