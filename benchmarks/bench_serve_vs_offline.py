@@ -37,6 +37,7 @@ import gc
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -173,9 +174,29 @@ def _tail(path: Path, lines: int = 30) -> str:
 
 
 def server_wave(url: str, wave: Wave, timeout: float) -> dict[str, Any]:
+    """The wave's summary, with the mean TTFT as the client saw it and as the server measured it (its
+    histogram: from a request's arrival at the front end to its first token there), which tells the
+    server's part of a TTFT from the load generator's own lag."""
+    before = _server_ttft(url)
     results, duration = asyncio.run(drive(url, wave.workload, wave.rate, wave.in_flight, timeout=timeout,
                                           seed=wave.seed))
-    return {**summarize(results, duration), "errors": sorted({r.error for r in results if not r.ok})}
+    after = _server_ttft(url)
+    ok = [r.ttft for r in results if r.ok]
+    count = after[1] - before[1]
+    return {**summarize(results, duration), "errors": sorted({r.error for r in results if not r.ok}),
+            "ttft_mean_ms": 1000 * sum(ok) / len(ok) if ok else math.nan,
+            "server_side_ttft_mean_ms": 1000 * (after[0] - before[0]) / count if count else math.nan}
+
+
+def _server_ttft(url: str) -> tuple[float, float]:
+    """(sum in seconds, count) of the server's time-to-first-token histogram."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    values = {}
+    for suffix in ("sum", "count"):
+        found = re.search(rf"^replayserve_time_to_first_token_seconds_{suffix}\{{[^}}]*\}} (\S+)$", text, re.M)
+        values[suffix] = float(found.group(1)) if found else math.nan
+    return values["sum"], values["count"]
 
 
 def run_offline(model_dir: str, options: dict[str, Any], warmups: list[Wave], waves: list[Wave]) -> list[dict]:
@@ -187,8 +208,10 @@ def run_offline(model_dir: str, options: dict[str, Any], warmups: list[Wave], wa
         rows = []
         for wave in waves:
             results, duration, most = offline_wave(llm.engine, wave.workload, wave.arrivals, wave.in_flight)
+            ok = [r.ttft for r in results if r.ok]
             rows.append({**summarize(results, duration), "most_in_flight": most,
-                         "errors": sorted({r.error for r in results if not r.ok})})
+                         "errors": sorted({r.error for r in results if not r.ok}),
+                         "ttft_mean_ms": 1000 * sum(ok) / len(ok) if ok else math.nan})
         return rows
     finally:
         llm.close()
@@ -315,6 +338,12 @@ def print_report(result: dict[str, Any]) -> None:
               f"| {_ratio(s['output_tok_s'], o['output_tok_s']):.0%} | {s_ttft:.0f} | {o_ttft:.0f} "
               f"| {_ratio(s_ttft, o_ttft):.2f}x "
               f"| {s.get('itl_p50_ms', math.nan):.1f} / {o.get('itl_p50_ms', math.nan):.1f} | {s['failed']} |")
+    print("\nTTFT means, ms (client: as the load generator saw it; server side: the server's histogram, "
+          "arrival at the front end to the first token there):")
+    for row in result["rows"]:
+        s, o = row["server"], row["offline"]
+        print(f"  {row['name']}: client {s.get('ttft_mean_ms', math.nan):.0f}, server side "
+              f"{s.get('server_side_ttft_mean_ms', math.nan):.0f}, offline {o.get('ttft_mean_ms', math.nan):.0f}")
     runs = result["runs"]
     rates = [r["output_tok_s"] for r in runs["server"]]
     print(f"\n{len(rates)} server run(s) of {runs['requests']} requests at {runs['in_flight']} in flight: "

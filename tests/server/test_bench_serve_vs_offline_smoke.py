@@ -41,6 +41,8 @@ def test_bench_serve_vs_offline_cpu_smoke(tmp_path: Path, capsys: pytest.Capture
             # every request generated exactly its 4 tokens, counted over the wave's duration
             assert summary["output_tok_s"] * summary["duration_s"] == pytest.approx(16)
             assert 0 < summary["ttft_p50_ms"] <= summary["latency_p50_ms"]
+        # the server measures a request's TTFT from its arrival: within what the client saw
+        assert 0 < row["server"]["server_side_ttft_mean_ms"] <= row["server"]["ttft_mean_ms"]
     assert [row["offline"]["most_in_flight"] for row in result["rows"][:2]] == [1, 2]
     runs = result["runs"]
     assert (runs["in_flight"], runs["requests"], len(runs["server"])) == (2, 4, 2)
