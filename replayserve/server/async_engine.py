@@ -157,15 +157,22 @@ class AsyncEngine:
                              f"admits {self.capacity} (max_num_seqs + max_waiting_requests)")
         group = RequestGroup()
         holdback = max((len(s) for s in params.stop), default=1) - 1
+        adds = []
         for i, ids in enumerate(prompts):
             for j in range(params.n):
                 detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, holdback)
                 c = _Completion(str(next(self._ids)), i * params.n + j, group, detok)
                 group.completions.append(c)
                 self._completions[c.request_id] = c
-                self.core.send(AddRequest(c.request_id, ids, params_to_dict(params.for_completion(j))))
-                self.metrics.prompt_tokens.inc(len(ids))
+                adds.append(AddRequest(c.request_id, ids, params_to_dict(params.for_completion(j))))
         self.num_in_flight += count
+        try:
+            for add in adds:
+                self.core.send(add)
+                self.metrics.prompt_tokens.inc(len(add.prompt_token_ids))
+        except ConnectionError as e:
+            self.close(group)
+            raise EngineError(str(e)) from e
         return group
 
     def close(self, group: RequestGroup) -> None:
@@ -179,14 +186,20 @@ class AsyncEngine:
         for _ in unfinished:
             self.metrics.finish("abort")
         if unfinished and self.death is None and not self._stopping:
-            self.core.send(Abort(unfinished))
+            try:
+                self.core.send(Abort(unfinished))
+            except ConnectionError:  # the core is gone: its death fails what is left
+                logger.warning("could not abort %d request(s): the engine core is not running", len(unfinished))
 
     def fail_all(self, why: str) -> None:
         """Fails every request in flight with ``why`` (shutdown timeout) and aborts them in the core."""
         ids = list(self._completions)
         self._fail_all(EngineError(why))
         if ids and self.death is None:
-            self.core.send(Abort(ids))
+            try:
+                self.core.send(Abort(ids))
+            except ConnectionError:
+                logger.warning("could not abort %d request(s): the engine core is not running", len(ids))
 
     # -- outputs -----------------------------------------------------------------------------------
     def _deliver(self, outputs: CoreOutputs) -> None:

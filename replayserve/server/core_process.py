@@ -118,6 +118,7 @@ class ProcessCore:
         self._dir = tempfile.mkdtemp(prefix="replayserve-")
         self._context = zmq.Context()
         self._commands = self._context.socket(zmq.PUSH)
+        self._commands.setsockopt(zmq.SNDHWM, 0)  # admission bounds what is queued, not the socket
         self._commands.bind(f"ipc://{self._dir}/commands")
         self._outputs = self._context.socket(zmq.PULL)
         self._outputs.bind(f"ipc://{self._dir}/outputs")
@@ -193,7 +194,12 @@ class ProcessCore:
             logger.exception("could not handle the engine core's outputs")
 
     def send(self, message: AddRequest | Abort) -> None:
-        self._commands.send(encode(message), zmq.NOBLOCK)
+        """Queues a command for the core; ConnectionError when no core is there to take it (it
+        died, and the reader has not noticed yet)."""
+        try:
+            self._commands.send(encode(message), zmq.NOBLOCK)
+        except zmq.Again as e:
+            raise ConnectionError("the engine core process is not running") from e
 
     def is_alive(self) -> bool:
         return self._process is not None and self._process.is_alive()

@@ -23,6 +23,7 @@ from fastapi import FastAPI
 from replayserve import LLM, SamplingParams
 from replayserve.engine.runner import Runner
 from replayserve.server import create_app
+from replayserve.server.core_messages import Abort
 from replayserve.server.core_process import ProcessCore, run_engine_core
 from tests.server.conftest import run_uvicorn
 
@@ -209,3 +210,23 @@ def test_the_core_dying_mid_stream_ends_streams_cleanly(tiny_model_dir: Path) ->
         assert late.status_code == 503
     finally:
         running.stop()
+
+
+def test_a_command_to_a_dead_core_is_a_connection_error(tiny_model_dir: Path) -> None:
+    """Between the core's death and the front end noticing it, a send must fail cleanly (the
+    request then gets a 503), not raise ZeroMQ's error out of a handler."""
+    core = ProcessCore(str(tiny_model_dir), OPTIONS)
+    core.launch(timeout=120)
+    try:
+        core.kill()
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                core.send(Abort(["0"]))
+            except ConnectionError as e:
+                assert "not running" in str(e)
+                break
+            assert time.monotonic() < deadline, "a send to a dead core kept succeeding"
+            time.sleep(0.05)
+    finally:
+        core.stop(0)
