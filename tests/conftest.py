@@ -20,7 +20,7 @@ torch.set_num_threads(2)
 
 # The server extra is part of the test extra, so CI runs tests/server; a machine without it (the
 # offline H200 box) leaves that directory out, reported in the header, instead of failing imports.
-_SERVER_DEPS = ("fastapi", "uvicorn", "openai", "httpx", "prometheus_client")
+_SERVER_DEPS = ("fastapi", "uvicorn", "openai", "httpx", "prometheus_client", "zmq", "msgspec")
 collect_ignore = [] if all(importlib.util.find_spec(m) for m in _SERVER_DEPS) else ["server"]
 
 
