@@ -230,3 +230,30 @@ def test_a_command_to_a_dead_core_is_a_connection_error(tiny_model_dir: Path) ->
             time.sleep(0.05)
     finally:
         core.stop(0)
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(served: ProcessServer) -> None:
+    """2.7 MB of text (under the body limit) takes seconds to tokenize; /health answers meanwhile."""
+    text = "def f(x):\n    return x + 1\n" * 100_000
+    answer: dict[str, Any] = {}
+
+    def send() -> None:
+        started = time.monotonic()
+        answer["response"] = httpx.post(f"{served.base_url}/v1/completions", headers=AUTH, timeout=120,
+                                        json={"model": MODEL_NAME, "prompt": text, "max_tokens": 1})
+        answer["seconds"] = time.monotonic() - started
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    waits = []
+    while sender.is_alive():
+        started = time.monotonic()
+        assert httpx.get(f"{served.base_url}/health", timeout=30).status_code == 200
+        waits.append(time.monotonic() - started)
+        time.sleep(0.05)
+    sender.join()
+    assert answer["response"].status_code == 400  # far past the context: refused once tokenized
+    assert answer["seconds"] > 1.0, "the prompt was tokenized too fast to tell"
+    # Tokenizing holds no lock the event loop needs: /health kept answering all along (one poll
+    # in 3 s when the tokenizer held the GIL); parsing the body and listing the ids take the rest.
+    assert len(waits) >= 10 and max(waits) < 1.0, f"/health: {len(waits)} answers, slowest {max(waits):.2f} s"
