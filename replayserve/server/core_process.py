@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
-import os
 import pickle
 import shutil
 import tempfile
@@ -230,4 +229,4 @@ class ProcessCore:
     def kill(self) -> None:
         """Kills the process without asking (tests: the engine dying mid-stream)."""
         if self._process is not None:
-            os.kill(self._process.pid, 9)
+            self._process.kill()

@@ -94,7 +94,7 @@ class EngineCore:
                 stopping = True
         if not stopping and self.has_work():
             outputs += self.step()
-        snapshot = self.snapshot(force=bool(messages) or not self.has_work())
+        snapshot = self.snapshot(force=not self.has_work())  # exact once idle; while busy, timed
         return (CoreOutputs(outputs, snapshot) if outputs or snapshot is not None else None), stopping
 
     # -- steps -------------------------------------------------------------------------------------
