@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from replayserve.builtin.tiny_code import BUILTIN_MODELS, TINY_CODE, resolve_model
 from replayserve.config import DTYPES, MAMBA_CACHE_MODES, SSM_BACKENDS
-from replayserve.tiny_code import BUILTIN_MODELS, TINY_CODE, resolve_model
 
 if TYPE_CHECKING:
     from replayserve.outputs import Logprob
@@ -214,7 +214,7 @@ def served_name(model: str) -> str:
 
 
 def _make_tiny(args: argparse.Namespace) -> None:
-    from replayserve.tiny import make_tiny
+    from replayserve.builtin.tiny import make_tiny
 
     out = Path(args.dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:

@@ -11,17 +11,18 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from replayserve.cache_sizing import size_caches
+from replayserve.builtin.tiny_code import resolve_model
+from replayserve.cache.sizing import size_caches
 from replayserve.chat import ChatTemplate, Message, encode_rendered
 from replayserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 from replayserve.cpu_threads import ThreadChoice, apply_cpu_threads, choose_cpu_threads
 from replayserve.distributed.group import Workers
 from replayserve.engine.engine import Engine
-from replayserve.engine.request import Request, SamplingParams
+from replayserve.engine.request import Request
 from replayserve.models.loader import load_model
 from replayserve.outputs import CompletionOutput, RequestOutput, to_logprobs
+from replayserve.sampling_params import SamplingParams
 from replayserve.speculative.draft import DraftModelProposer
-from replayserve.tiny_code import resolve_model
 from replayserve.tokenizer import Tokenizer, check_unicode
 
 logger = logging.getLogger(__name__)

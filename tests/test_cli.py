@@ -156,11 +156,11 @@ def test_the_server_extra_hint_gives_readmes_install_command(monkeypatch: pytest
 
 def test_ctrl_c_ends_with_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                    capsys: pytest.CaptureFixture) -> None:
-    import replayserve.tiny
+    import replayserve.builtin.tiny
 
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(replayserve.tiny, "make_tiny", interrupted)
+    monkeypatch.setattr(replayserve.builtin.tiny, "make_tiny", interrupted)
     code, _, err = _run(["make-tiny", str(tmp_path / "new")], capsys)
     assert code == 130 and err.strip() == "replayserve: interrupted"

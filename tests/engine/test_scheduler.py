@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from replayserve.cache.manager import CacheManager
-from replayserve.engine.request import Request, SamplingParams
+from replayserve.engine.request import Request
 from replayserve.engine.scheduler import Scheduler, StepPlan
+from replayserve.sampling_params import SamplingParams
 
 
 def _scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 8, max_seqs: int = 4) -> Scheduler:

@@ -1,5 +1,5 @@
 """Typed, frozen configuration of the engine and of speculative decoding; the model's is in
-`model_config.py` (re-exported here, where callers import all three).
+`model.py` (the package re-exports all three).
 
 Every combination is validated at construction; an error names the option that is wrong and
 what is allowed.
@@ -14,25 +14,17 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from replayserve.config_checks import check_field_types, check_minimums
-from replayserve.model_config import (
-    ATTENTION,
+from replayserve.config.checks import check_field_types, check_minimums
+from replayserve.config.model import (
     DEVICES,
     DTYPES,
-    MAMBA,
     MAMBA_CACHE_MODES,
     MAX_REPLAY_WINDOW,
-    MLP,
-    MOE,
-    PATTERN_CHARS,
     SSM_BACKENDS,
     ConfigError,
     ModelConfig,
     tensor_parallel_error,
 )
-
-__all__ = ["ATTENTION", "DTYPES", "MAMBA", "MAMBA_CACHE_MODES", "MLP", "MOE", "PATTERN_CHARS", "SSM_BACKENDS",
-           "ConfigError", "EngineConfig", "ModelConfig", "SpeculativeConfig"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +100,7 @@ class EngineConfig:
     max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
-    # CUDA: the share of the GPU's memory the engine may use; sizes the caches not given (cache_memory.py).
+    # CUDA: the share of the GPU's memory the engine may use; sizes the caches not given (cache/sizing.py).
     gpu_memory_utilization: float = 0.9
     ssm_backend: str = "baseline"
     # ReplaySSM's window W (ring entries a checkpoint is replayed over); None: resolved_replay_window.
@@ -200,7 +192,7 @@ class EngineConfig:
         """Raises ConfigError naming num_kv_blocks when the caches of these sizes (defaults for the
         unset ones) would not fit in the device's free memory."""
         # Imported here: the Mamba state shapes come from ssm/layout, which imports this module.
-        from replayserve.cache_memory import cache_fit_error
+        from replayserve.cache.memory import cache_fit_error
 
         if (why := cache_fit_error(self)) is not None:
             raise ConfigError(f"engine option num_kv_blocks: {why}")
@@ -208,7 +200,7 @@ class EngineConfig:
     @property
     def sized_by_memory(self) -> bool:
         """On CUDA, `LLM` sizes the KV blocks and cached Mamba states not given from the memory free
-        once the weights are loaded (`cache_sizing.size_caches`). An `Engine` built from such a
+        once the weights are loaded (`cache/sizing.py`). An `Engine` built from such a
         config directly (benchmarks) takes the defaults, checked against free memory then."""
         return self.device.startswith("cuda") and (
             self.num_kv_blocks is None or (self.mamba_cache_mode != "none" and self.num_mamba_cache_slots is None))

@@ -1,0 +1,25 @@
+"""Typed, frozen configuration: the model's (`model.py`, from `config.json`), the engine's and
+speculative decoding's (`engine.py`), and the annotation-driven field checks they share
+(`checks.py`). Callers import all of them from here."""
+
+from replayserve.config.engine import ALLOW_LONG_MAX_MODEL_LEN, SPEC_METHODS, EngineConfig, SpeculativeConfig
+from replayserve.config.model import (
+    ATTENTION,
+    DEVICES,
+    DTYPES,
+    LAYER_TYPES,
+    MAMBA,
+    MAMBA_CACHE_MODES,
+    MAX_REPLAY_WINDOW,
+    MLP,
+    MOE,
+    PATTERN_CHARS,
+    SSM_BACKENDS,
+    ConfigError,
+    ModelConfig,
+    tensor_parallel_error,
+)
+
+__all__ = ["ALLOW_LONG_MAX_MODEL_LEN", "ATTENTION", "DEVICES", "DTYPES", "LAYER_TYPES", "MAMBA", "MAMBA_CACHE_MODES",
+           "MAX_REPLAY_WINDOW", "MLP", "MOE", "PATTERN_CHARS", "SPEC_METHODS", "SSM_BACKENDS", "ConfigError",
+           "EngineConfig", "ModelConfig", "SpeculativeConfig", "tensor_parallel_error"]
