@@ -56,6 +56,7 @@ from e2e_report import plot, print_tables  # noqa: E402
 from roofline import STATE_PARTS, decode_ops, floors, measure_rates, prefill_flops  # noqa: E402
 from shapes import SIZES, model_config, random_model  # noqa: E402
 
+from replayserve.build import assemble_engine  # noqa: E402
 from replayserve.config import EngineConfig  # noqa: E402
 from replayserve.engine.engine import Engine  # noqa: E402
 from replayserve.engine.request import Status  # noqa: E402
@@ -251,7 +252,7 @@ def decode_row(model: NemotronHForCausalLM, args: argparse.Namespace, backend: s
     row["skipped"] = fits(model, config, device)
     if row["skipped"]:
         return row
-    engine = Engine(config, model, tokenizer=None)
+    engine = assemble_engine(config, model, tokenizer=None)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=total + ahead, ignore_eos=True)
         prompts = random_prompts(batch, args.prompt_len, model.config.vocab_size, seed=args.seed + batch)
@@ -333,7 +334,7 @@ def prefill_row(model: NemotronHForCausalLM, args: argparse.Namespace, backend: 
         if skipped:
             row[f"{key}_skipped"] = skipped
             continue
-        engine = Engine(config, model, tokenizer=None)
+        engine = assemble_engine(config, model, tokenizer=None)
         try:
             prompts = random_prompts(n, length, model.config.vocab_size, seed=args.seed + length)
             serve_to_first_token(engine, prompts, sync)  # warm-up: kernels compiled, allocator primed

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import SIZES, model_config, random_model  # noqa: E402
 
 from replayserve import SamplingParams  # noqa: E402
+from replayserve.build import assemble_engine  # noqa: E402
 from replayserve.config import EngineConfig  # noqa: E402
 from replayserve.engine.engine import Engine  # noqa: E402
 from replayserve.models.nemotron_h import NemotronHForCausalLM  # noqa: E402
@@ -125,7 +126,7 @@ def make_engine(model: NemotronHForCausalLM, args: argparse.Namespace, backend: 
                           max_model_len=args.prefix + args.suffix + args.max_tokens + 16, ssm_backend=backend,
                           enable_prefix_caching=caching == "on", mamba_cache_mode=mode,
                           num_mamba_cache_slots=args.state_slots * args.requests if mode != "none" else None)
-    return Engine(config, model, tokenizer=None)
+    return assemble_engine(config, model, tokenizer=None)
 
 
 def main() -> None:

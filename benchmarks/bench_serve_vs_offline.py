@@ -61,10 +61,10 @@ from bench_serve import arrival_times, drive, make_workload, summarize  # noqa: 
 from offline_waves import offline_wave  # noqa: E402
 from shapes import SIZES, write_checkpoint  # noqa: E402
 
-from replayserve.builtin.tiny_code import TINY_CODE, resolve_model  # noqa: E402
 from replayserve.cli import add_engine_options, engine_options  # noqa: E402
 from replayserve.config import ModelConfig  # noqa: E402
-from replayserve.llm import LLM, TORCH_DTYPES  # noqa: E402
+from replayserve.config.builtin_models import TINY_CODE, resolve_model  # noqa: E402
+from replayserve.llm import LLM  # noqa: E402
 
 
 @dataclass
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         if args.size:
             start = time.perf_counter()
-            write_checkpoint(args.size, args.checkpoint_dir, TORCH_DTYPES[dtype], device, seed=args.seed)
+            write_checkpoint(args.size, args.checkpoint_dir, getattr(torch, dtype), device, seed=args.seed)
             meta["checkpoint_s"] = time.perf_counter() - start
         result = compare(args, str(args.checkpoint_dir) if args.size else resolve_model(args.model), options,
                          server_env, meta)

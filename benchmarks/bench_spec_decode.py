@@ -42,8 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from shapes import SIZES, model_config, random_model  # noqa: E402
 
-from replayserve.builtin.tiny_code import heldout_texts, resolve_model  # noqa: E402
+from replayserve.build import assemble_engine  # noqa: E402
+from replayserve.builtin.tiny_code import heldout_texts  # noqa: E402
 from replayserve.config import ConfigError, EngineConfig, SpeculativeConfig  # noqa: E402
+from replayserve.config.builtin_models import resolve_model  # noqa: E402
 from replayserve.engine.engine import Engine  # noqa: E402
 from replayserve.llm import LLM  # noqa: E402
 from replayserve.models.nemotron_h import NemotronHForCausalLM  # noqa: E402
@@ -124,7 +126,7 @@ def run(model: NemotronHForCausalLM, args: argparse.Namespace, batch: int, backe
                           ssm_backend=backend, max_num_batched_tokens=max(2048, batch * (1 + args.k)),
                           replay_window=args.window, max_model_len=args.prompt + args.max_tokens + args.k + 8,
                           speculative=None if spec is None else SpeculativeConfig(**spec))
-    return measure(lambda: Engine(config, model, tokenizer=None), prompts, args.max_tokens, args.device)
+    return measure(lambda: assemble_engine(config, model, tokenizer=None), prompts, args.max_tokens, args.device)
 
 
 def heldout_prompts(tokenizer: Tokenizer, texts: list[str], count: int, length: int) -> list[list[int]]:

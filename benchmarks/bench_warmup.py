@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_e2e import BACKENDS, DTYPES, random_prompts, ssm_backend, sync_fn  # noqa: E402
 from shapes import SIZES, model_config, random_model  # noqa: E402
 
+from replayserve.build import assemble_engine  # noqa: E402
 from replayserve.config import EngineConfig  # noqa: E402
-from replayserve.engine.engine import Engine  # noqa: E402
 from replayserve.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
                           max_num_batched_tokens=args.budget, max_model_len=args.prompt_len + args.output_len,
                           ssm_backend=ssm_backend(args.backend), enforce_eager=args.backend.endswith("-eager"),
                           async_scheduling=args.backend.endswith("-async"))
-    engine = Engine(config, model, tokenizer=None)
+    engine = assemble_engine(config, model, tokenizer=None)
     sync()
     engined = time.perf_counter()
     report = None if args.no_warmup else engine.warm_up()

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from replayserve.builtin.tiny_code import BUILTIN_MODELS, TINY_CODE, resolve_model
 from replayserve.config import DTYPES, MAMBA_CACHE_MODES, SSM_BACKENDS
+from replayserve.config.builtin_models import BUILTIN_MODELS, TINY_CODE, resolve_model
 
 if TYPE_CHECKING:
     from replayserve.outputs import Logprob

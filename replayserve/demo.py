@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from replayserve.config import ModelConfig
+from replayserve.config.builtin_models import resolve_model
 from replayserve.llm import LLM
 from replayserve.sampling_params import SamplingParams
 
@@ -213,9 +215,6 @@ def _where(llm: LLM) -> str:
 
 
 def _has_mtp(model: str) -> bool:
-    from replayserve.builtin.tiny_code import resolve_model
-    from replayserve.config import ModelConfig
-
     return ModelConfig.from_dir(resolve_model(model)).num_nextn_predict_layers > 0
 
 

@@ -8,21 +8,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
-from replayserve.builtin.tiny_code import resolve_model
-from replayserve.cache.sizing import size_caches
+from replayserve.build import build_engine
 from replayserve.chat import ChatTemplate, Message, encode_rendered
-from replayserve.config import EngineConfig, ModelConfig, SpeculativeConfig
-from replayserve.cpu_threads import ThreadChoice, apply_cpu_threads, choose_cpu_threads
-from replayserve.distributed.group import Workers
-from replayserve.engine.engine import Engine
 from replayserve.engine.request import Request
-from replayserve.models.loader import load_model
 from replayserve.outputs import CompletionOutput, RequestOutput, to_logprobs
 from replayserve.sampling_params import SamplingParams
-from replayserve.speculative.draft import DraftModelProposer
 from replayserve.tokenizer import Tokenizer, check_unicode
 
 logger = logging.getLogger(__name__)
@@ -30,10 +22,6 @@ logger = logging.getLogger(__name__)
 Prompt = str | dict[str, Any]
 # The prompt forms `generate` takes, as vLLM spells them (a string, TextPrompt, TokensPrompt).
 PROMPT_FORMS = "a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}"
-
-TORCH_DTYPES = {
-    "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16,
-}
 
 
 class LLM:
@@ -57,7 +45,7 @@ class LLM:
     `SpeculativeConfig`): decode rows verify up to k proposed tokens per step, losslessly.
     gpu_memory_utilization: on CUDA, the share of the GPU's memory (0, 1] this engine may use: KV
     blocks and cached Mamba states that are not given fill what the weights and an activation
-    reserve leave (`cache_sizing.py`; the numbers are logged). On CPU the defaults stay.
+    reserve leave (`cache/sizing.py`; the numbers are logged). On CPU the defaults stay.
     enforce_eager: on CUDA, run decode steps eagerly instead of replaying a CUDA graph per padded
     batch size (1, 2, 4, 8, multiples of 16 up to max_num_seqs; captured at start by the warm-up).
     async_scheduling: overlap the host with the device: while plain decode step N runs, the next
@@ -101,52 +89,19 @@ class LLM:
         cpu_threads: int | None = None,
         warmup: bool = True,
     ) -> None:
-        model = resolve_model(model)
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if dtype == "auto":
-            dtype = "bfloat16" if device.startswith("cuda") else "float32"
-        model_config = ModelConfig.from_dir(model)
-        if mamba_cache_mode is None:
-            hybrid = enable_prefix_caching and model_config.num_mamba_layers > 0
-            mamba_cache_mode = "align" if hybrid else "none"
-            if hybrid:
-                logger.info("prefix caching: mamba_cache_mode='align' (the model has Mamba layers; "
-                            "'none' would never hit)")
-        self.config = EngineConfig(
-            model=model_config, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, block_size=block_size,
+        built = build_engine(
+            model, warmup=warmup, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, max_model_len=max_model_len,
             num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization, ssm_backend=ssm_backend,
-            replay_window=replay_window,
-            enable_prefix_caching=enable_prefix_caching, mamba_cache_mode=mamba_cache_mode,
-            num_mamba_cache_slots=num_mamba_cache_slots, mamba_block_size=mamba_block_size,
-            speculative=None if speculative is None else SpeculativeConfig.from_dict(speculative),
-            enforce_eager=enforce_eager, async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
-            cpu_threads=cpu_threads,
+            replay_window=replay_window, enable_prefix_caching=enable_prefix_caching,
+            mamba_cache_mode=mamba_cache_mode, num_mamba_cache_slots=num_mamba_cache_slots,
+            mamba_block_size=mamba_block_size, speculative=speculative, enforce_eager=enforce_eager,
+            async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size, cpu_threads=cpu_threads,
         )
-        self.cpu_threads: ThreadChoice | None = None
-        if device.startswith("cpu"):  # chosen once the options it reads are known to be valid
-            self.cpu_threads = choose_cpu_threads(cpu_threads, tensor_parallel_size)
-            self.config = dataclasses.replace(self.config, cpu_threads=self.cpu_threads.count)
-            apply_cpu_threads(self.cpu_threads)
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError("engine option device: 'cuda' was asked for but torch sees no CUDA device")
-        self.tokenizer = Tokenizer.from_dir(model)
-        self.chat_template = ChatTemplate.from_dir(model)
-        self.workers: Workers | None = None
-        if tensor_parallel_size > 1:
-            self.workers = Workers.start(self.config, model)  # they load their slices while this rank loads its own
+        self.config, self.engine, self.tokenizer = built.config, built.engine, built.tokenizer
+        self.workers, self.cpu_threads = built.workers, built.cpu_threads
         try:
-            net = load_model(model, TORCH_DTYPES[dtype], torch.device(device), 0, tensor_parallel_size)
-            spec = self.config.speculative
-            draft = (DraftModelProposer.memory_bytes(spec.model, self.config)
-                     if spec is not None and spec.method == "draft" and self.config.sized_by_memory else 0)
-            # CUDA: what the weights (and the draft model, loaded later) leave, before any cache is allocated
-            self.config = size_caches(self.config, pending=draft)
-            self.engine = Engine(self.config, net, self.tokenizer, self.workers)
-            if self.workers is not None:
-                self.workers.connect(self.config)
-            if warmup and device.startswith("cuda"):
-                self.engine.warm_up()
+            self.chat_template = ChatTemplate.from_dir(built.model_dir)
         except BaseException:
             self.close()
             raise

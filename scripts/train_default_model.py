@@ -60,7 +60,6 @@ from replayserve.builtin.tiny_code import (  # noqa: E402
     CODE_CHAT_TEMPLATE,
     EVAL_RESULTS,
     HELDOUT_SAMPLE,
-    TINY_CODE_DIR,
     completes_as_python,
     function_headers,
     heldout_perplexity,
@@ -77,6 +76,7 @@ from replayserve.builtin.training.corpus import (  # noqa: E402
 )
 from replayserve.builtin.training.forward import balance_experts_, losses  # noqa: E402
 from replayserve.config import PATTERN_CHARS, ModelConfig  # noqa: E402
+from replayserve.config.builtin_models import TINY_CODE_DIR  # noqa: E402
 from replayserve.models.nemotron_h import NemotronHForCausalLM  # noqa: E402
 from replayserve.models.writer import save_model  # noqa: E402
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from replayserve.builtin.tiny_code import TINY_CODE, resolve_model
+from replayserve.config.builtin_models import TINY_CODE, resolve_model
 from replayserve.demo import SpecRun, cpu_note, run_demo, verdict
 from replayserve.llm import LLM
 from replayserve.sampling_params import SamplingParams

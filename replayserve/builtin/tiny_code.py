@@ -1,6 +1,7 @@
 """The built-in model `replayserve/tiny-code`: a small Nemotron-H (with one MTP layer) trained on the
-Python standard library by `scripts/train_default_model.py`, shipped in `tiny_code_checkpoint/`, and
-the held-out checks that tie the shipped weights to the numbers its training recorded.
+Python standard library by `scripts/train_default_model.py`, shipped in `tiny_code_checkpoint/`
+(`config/builtin_models.py` resolves its name), and the held-out checks that tie the shipped
+weights to the numbers its training recorded.
 
 The model directory holds, beside config.json, the shards and the tokenizer: `heldout_sample.json`
 (the heads of held-out stdlib files, from the Python that trained it) and `eval.json` (what the
@@ -18,12 +19,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from replayserve.sampling_params import SamplingParams
+
 if TYPE_CHECKING:
     from replayserve.llm import LLM
 
-TINY_CODE = "replayserve/tiny-code"
-TINY_CODE_DIR = Path(__file__).parent / "tiny_code_checkpoint"
-BUILTIN_MODELS = {TINY_CODE: TINY_CODE_DIR}
 HELDOUT_SAMPLE = "heldout_sample.json"
 EVAL_RESULTS = "eval.json"
 # The model completes code and never saw a conversation: its chat template (tokenizer_config.json)
@@ -33,18 +33,6 @@ CODE_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% en
 
 # A one-line `def` header (any indentation, optional return annotation and trailing comment).
 _HEADER = re.compile(r"^[ \t]*(async[ \t]+)?def[ \t]+\w+[ \t]*\(.*\)[ \t]*(->[^:#]+)?:[ \t]*(#.*)?$")
-
-
-def resolve_model(model: str) -> str:
-    """A built-in name (`replayserve/tiny-code`) -> its directory; anything else is returned as it
-    is (a model directory). A local directory of the same name wins over the built-in."""
-    builtin = BUILTIN_MODELS.get(model)
-    if builtin is None or Path(model).is_dir():
-        return model
-    if not (builtin / "config.json").is_file():
-        raise FileNotFoundError(f"the built-in model {model} has no weights in {builtin}; reinstall replayserve "
-                                "or write them with scripts/train_default_model.py --install")
-    return str(builtin)
 
 
 def heldout_texts(model_dir: str | Path) -> list[str]:
@@ -74,8 +62,6 @@ def perplexity_windows(llm: LLM, texts: Sequence[str], num_files: int, tokens: i
 def heldout_perplexity(llm: LLM, windows: Sequence[Sequence[int]]) -> float:
     """exp(mean negative log-likelihood) of every token after the first of each window, from the
     engine's own prompt log-probabilities."""
-    from replayserve.sampling_params import SamplingParams
-
     outs = llm.generate([{"prompt_token_ids": list(w)} for w in windows],
                         SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     total, count = 0.0, 0

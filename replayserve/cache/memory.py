@@ -1,5 +1,5 @@
-"""What the KV cache and the Mamba state slots cost, checked against free memory when the engine
-config is built, before any pool or tensor is sized by it: an oversized `num_kv_blocks` must be
+"""What the KV cache and the Mamba state slots cost, checked against free memory when the engine is
+built (`build.py`), before any pool or tensor is sized by it: an oversized `num_kv_blocks` must be
 an error, not an allocation the OS kills."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from replayserve.config import EngineConfig
+from replayserve.config import ConfigError, EngineConfig
+from replayserve.models.sharding import local_model_config
 from replayserve.ssm.layout import MambaLayout
 
 
@@ -32,8 +33,6 @@ def cache_bytes_for(config: EngineConfig, dtype: torch.dtype, num_kv_blocks: int
     host hold between them."""
     m = config.model
     if per_rank and config.tensor_parallel_size > 1:
-        from replayserve.models.sharding import local_model_config
-
         m = local_model_config(m, 0, config.tensor_parallel_size)
     # One KV block and one state slot more than the pools hand out: the runner's pad block and pad
     # slot of padded decode rows (the allocation test keeps this in step with the runner).
@@ -92,3 +91,10 @@ def cache_fit_error(config: EngineConfig) -> str | None:
     return (f"{config.resolved_num_kv_blocks}{default} KV blocks of {config.block_size} tokens need {kv:,} bytes "
             f"and the Mamba state slots {mamba:,} more, {kv + mamba:,} bytes in all, but {device} has {free:,} "
             "bytes available; lower num_kv_blocks (or max_num_seqs, max_model_len)")
+
+
+def check_cache_fit(config: EngineConfig) -> None:
+    """Raises ConfigError naming num_kv_blocks when the caches of `config`'s sizes (defaults for the
+    unset ones) would not fit in the device's free memory."""
+    if (why := cache_fit_error(config)) is not None:
+        raise ConfigError(f"engine option num_kv_blocks: {why}")

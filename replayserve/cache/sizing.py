@@ -32,9 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from replayserve.cache.memory import cache_bytes_for
-from replayserve.config import ConfigError, EngineConfig
-from replayserve.engine.prompt_logprobs import SCORE_ROWS
+from replayserve.cache.memory import cache_bytes_for, check_cache_fit
+from replayserve.config import SCORE_ROWS, ConfigError, EngineConfig
 from replayserve.ops.attention import prefill_kernel_head_dim
 from replayserve.ops.dtypes import compute_dtype
 
@@ -56,9 +55,11 @@ class CachePlan:
     activation_reserve: int
 
     def apply(self, config: EngineConfig) -> EngineConfig:
-        """`config` with the planned sizes, which it then validates like given ones."""
+        """`config` with the planned sizes, validated and checked against free memory like given ones."""
         slots = self.num_mamba_cache_slots if config.mamba_cache_mode != "none" else config.num_mamba_cache_slots
-        return dataclasses.replace(config, num_kv_blocks=self.num_kv_blocks, num_mamba_cache_slots=slots)
+        sized = dataclasses.replace(config, num_kv_blocks=self.num_kv_blocks, num_mamba_cache_slots=slots)
+        check_cache_fit(sized)
+        return sized
 
     def describe(self, config: EngineConfig) -> str:
         return (f"gpu_memory_utilization={config.gpu_memory_utilization}: {self.budget / GiB:.2f} GiB for caches "

@@ -2,7 +2,13 @@
 speculative decoding's (`engine.py`), and the annotation-driven field checks they share
 (`checks.py`). Callers import all of them from here."""
 
-from replayserve.config.engine import ALLOW_LONG_MAX_MODEL_LEN, SPEC_METHODS, EngineConfig, SpeculativeConfig
+from replayserve.config.engine import (
+    ALLOW_LONG_MAX_MODEL_LEN,
+    SCORE_ROWS,
+    SPEC_METHODS,
+    EngineConfig,
+    SpeculativeConfig,
+)
 from replayserve.config.model import (
     ATTENTION,
     DEVICES,
@@ -21,5 +27,5 @@ from replayserve.config.model import (
 )
 
 __all__ = ["ALLOW_LONG_MAX_MODEL_LEN", "ATTENTION", "DEVICES", "DTYPES", "LAYER_TYPES", "MAMBA", "MAMBA_CACHE_MODES",
-           "MAX_REPLAY_WINDOW", "MLP", "MOE", "PATTERN_CHARS", "SPEC_METHODS", "SSM_BACKENDS", "ConfigError",
-           "EngineConfig", "ModelConfig", "SpeculativeConfig", "tensor_parallel_error"]
+           "MAX_REPLAY_WINDOW", "MLP", "MOE", "PATTERN_CHARS", "SCORE_ROWS", "SPEC_METHODS", "SSM_BACKENDS",
+           "ConfigError", "EngineConfig", "ModelConfig", "SpeculativeConfig", "tensor_parallel_error"]

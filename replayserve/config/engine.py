@@ -1,8 +1,8 @@
 """Typed, frozen configuration of the engine and of speculative decoding; the model's is in
 `model.py` (the package re-exports all three).
 
-Every combination is validated at construction; an error names the option that is wrong and
-what is allowed.
+Every combination is validated at construction, from the values alone (no memory is probed); an
+error names the option that is wrong and what is allowed.
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ SPEC_METHODS = ("ngram", "draft", "mtp", "custom")
 # vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN allows: Nemotron-H has no position embeddings to run out
 # of, but the model was not trained on longer sequences.
 ALLOW_LONG_MAX_MODEL_LEN = "REPLAYSERVE_ALLOW_LONG_MAX_MODEL_LEN"
+# Prompt positions scored at once (engine/prompt_logprobs.py): bounds the (rows, vocab) logits a
+# long chunk materializes (256 rows of a 131k vocabulary are 128 MiB in float32) and is the
+# activation reserve's share for them (cache/sizing.py).
+SCORE_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,9 @@ _ENGINE_MINIMUMS = dict.fromkeys(("max_num_seqs", "max_num_batched_tokens", "max
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine needs besides the weights; validated against the model."""
+    """Everything the engine needs besides the weights; validated against the model at construction.
+    A pure value: whether its caches fit in the device's memory is checked where the engine is built
+    (`cache.memory.check_cache_fit`, called by `build.py`)."""
 
     model: ModelConfig
     dtype: str = "bfloat16"
@@ -183,25 +189,13 @@ class EngineConfig:
             fail("num_kv_blocks", f"{self.resolved_num_kv_blocks} blocks of {self.block_size} tokens cannot "
                  f"hold one sequence of max_model_len={self.resolved_max_model_len}; "
                  f"need at least {self.blocks_per_seq}")
-        # Last, every size being valid: the caches they imply must fit in free memory (sizes that
-        # LLM derives from memory are checked once derived).
-        if not self.sized_by_memory:
-            self.check_cache_fit()
-
-    def check_cache_fit(self) -> None:
-        """Raises ConfigError naming num_kv_blocks when the caches of these sizes (defaults for the
-        unset ones) would not fit in the device's free memory."""
-        # Imported here: the Mamba state shapes come from ssm/layout, which imports this module.
-        from replayserve.cache.memory import cache_fit_error
-
-        if (why := cache_fit_error(self)) is not None:
-            raise ConfigError(f"engine option num_kv_blocks: {why}")
 
     @property
     def sized_by_memory(self) -> bool:
-        """On CUDA, `LLM` sizes the KV blocks and cached Mamba states not given from the memory free
-        once the weights are loaded (`cache/sizing.py`). An `Engine` built from such a
-        config directly (benchmarks) takes the defaults, checked against free memory then."""
+        """On CUDA, the composition root (`build.py`) sizes the KV blocks and cached Mamba states not
+        given from the memory free once the weights are loaded (`cache/sizing.py`). An engine
+        assembled from such a config directly (`build.assemble_engine`: benchmarks) takes the
+        defaults."""
         return self.device.startswith("cuda") and (
             self.num_kv_blocks is None or (self.mamba_cache_mode != "none" and self.num_mamba_cache_slots is None))
 

@@ -30,7 +30,7 @@ MAX_REPLAY_WINDOW = 64
 # Keys every Hugging Face config may carry that do not change the computation.
 _IGNORED_HF_KEYS = frozenset(
     {
-        "architectures", "model_type", "dtype", "torch_dtype", "transformers_version", "_name_or_path",
+        "dtype", "torch_dtype", "transformers_version", "_name_or_path",
         "auto_map", "use_cache", "num_logits_to_keep", "initializer_range", "rescale_prenorm_residual",
         "hidden_dropout", "attention_dropout", "use_mamba_kernels", "time_step_max",
         "time_step_floor", "time_step_limit", "mamba_proj_bias", "output_router_logits",
@@ -116,6 +116,9 @@ class ModelConfig:
     # Multi-token prediction (Nemotron-H MTP): one block stack of these types after the backbone.
     num_nextn_predict_layers: int = 0
     mtp_layer_types: tuple[str, ...] = ()
+    # Which family of models the checkpoint is: models/registry.py picks the model class by these.
+    model_type: str = "nemotron_h"
+    architectures: tuple[str, ...] = ("NemotronHForCausalLM",)
 
     def __post_init__(self) -> None:
         def fail(option: str, why: str) -> None:
@@ -187,8 +190,10 @@ class ModelConfig:
         if "model_type" not in raw:  # transformers' AutoConfig cannot read such a config either
             raise ConfigError("config.json has no model_type; this engine runs Nemotron-H checkpoints only, "
                               "which declare \"model_type\": \"nemotron_h\"")
-        if raw["model_type"] != "nemotron_h":
-            raise ConfigError(f"model_type {raw['model_type']!r} is not supported; only 'nemotron_h'")
+        if isinstance(hf.get("architectures"), list):
+            hf["architectures"] = tuple(hf["architectures"])
+        elif "architectures" in hf and hf["architectures"] is None:  # null: the family's default
+            del hf["architectures"]
         _check_residual_in_fp32(hf.pop("residual_in_fp32", False))
         mtp_types = _str_list(hf, "mtp_layers_block_type")
         mtp_pattern = _str_list(hf, "mtp_hybrid_override_pattern", str)
@@ -230,9 +235,11 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The `config.json` content transformers' NemotronHConfig reads back to this config."""
-        out: dict[str, Any] = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h"}
+        out: dict[str, Any] = {"architectures": list(self.architectures), "model_type": self.model_type}
         for name in self.__dataclass_fields__:
             value = getattr(self, name)
+            if name in out:
+                continue
             if name == "layer_types":
                 out["layers_block_type"] = list(value)
             elif name == "mtp_layer_types":

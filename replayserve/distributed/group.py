@@ -1,7 +1,7 @@
 """The tensor-parallel process group, seen from rank 0: starting the worker processes, sending
 them messages, noticing when one dies, shutting them down.
 
-Ranks 1 .. N-1 run `python -m replayserve.distributed.worker`. Messages from rank 0 (the config,
+Ranks 1 .. N-1 run `python -m replayserve.tp_worker`. Messages from rank 0 (the config,
 then one per mirrored call) travel pickled over each worker's stdin, not over the process group:
 a worker waits for the next call without a timeout (an engine may sit idle for hours) and exits
 when the pipe closes, so it never outlives rank 0. The model's collectives run on the default
@@ -72,7 +72,7 @@ class Workers:
         with socket.socket() as s:  # a free port for the group's rendezvous
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        procs = [subprocess.Popen([sys.executable, "-m", "replayserve.distributed.worker", str(rank), str(world),
+        procs = [subprocess.Popen([sys.executable, "-m", "replayserve.tp_worker", str(rank), str(world),
                                    str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=os.environ.copy())
                  for rank in range(1, world)]
         workers = cls(procs, port, config.device)

@@ -24,14 +24,16 @@ from replayserve.engine.sampler import SampleResult
 from replayserve.engine.scheduler import StepPlan
 from replayserve.models.nemotron_h import NemotronHForCausalLM
 from replayserve.sampling_params import SamplingParams
+from replayserve.speculative.mtp import HiddenStore
 from replayserve.speculative.proposers import DraftRequest, Proposer
 
 
 class DriverRunner(Runner):
     """Rank 0's runner."""
 
-    def __init__(self, config: EngineConfig, model: NemotronHForCausalLM, workers: Workers) -> None:
-        super().__init__(config, model)
+    def __init__(self, config: EngineConfig, model: NemotronHForCausalLM, workers: Workers,
+                 hidden_store: HiddenStore | None = None) -> None:
+        super().__init__(config, model, hidden_store)
         self.workers = workers
         self._forgotten: list[str] = []
 
@@ -85,8 +87,9 @@ class MirroredProposer(Proposer):
 class WorkerRunner(Runner):
     """A worker's runner: replays rank 0's calls and takes its sampling results from `inbox`."""
 
-    def __init__(self, config: EngineConfig, model: NemotronHForCausalLM, inbox: BinaryIO) -> None:
-        super().__init__(config, model)
+    def __init__(self, config: EngineConfig, model: NemotronHForCausalLM, inbox: BinaryIO,
+                 hidden_store: HiddenStore | None = None) -> None:
+        super().__init__(config, model, hidden_store)
         self.inbox = inbox
 
     def receive(self) -> tuple[str, Any]:

@@ -5,13 +5,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from replayserve.cache.manager import CacheManager, CacheMetrics
 from replayserve.config import EngineConfig
-from replayserve.distributed.runner_proxy import DriverRunner
 from replayserve.engine.penalties import uses_history
 from replayserve.engine.prompt_logprobs import PromptScores
 from replayserve.engine.request import Request, Status
@@ -19,15 +18,10 @@ from replayserve.engine.runner import Runner
 from replayserve.engine.sampler import PendingSample, SampleResult
 from replayserve.engine.scheduler import Scheduler, StepPlan
 from replayserve.engine.warmup import WarmupReport, run_warm_up
-from replayserve.models.nemotron_h import NemotronHForCausalLM
 from replayserve.sampling_params import SamplingParams
-from replayserve.speculative.factory import make_proposer
 from replayserve.speculative.metrics import SpecMetrics
-from replayserve.speculative.proposers import DraftRequest
+from replayserve.speculative.proposers import DraftRequest, Proposer
 from replayserve.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from replayserve.distributed.group import Workers
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +74,12 @@ def validate_request(config: EngineConfig, has_tokenizer: bool, prompt_token_ids
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model: NemotronHForCausalLM, tokenizer: Tokenizer | None,
-                 workers: Workers | None = None) -> None:
-        """workers: the tensor-parallel ranks 1.. (`model` is then rank 0's slice); the runner
-        mirrors every step to them."""
-        if config.sized_by_memory:  # not sized by LLM: the defaults, which must fit
-            config.check_cache_fit()
+    def __init__(self, config: EngineConfig, runner: Runner, proposer: Proposer | None,
+                 tokenizer: Tokenizer | None) -> None:
+        """The step loop over parts the composition root (`build.py`) made: `runner` runs the model
+        (with tensor parallelism rank 0's runner, which mirrors every step to the other ranks),
+        `proposer` drafts tokens when `config.speculative` asks for them. The engine builds only
+        what is its own: the cache manager and the scheduler, plain data from the config."""
         self.config = config
         self.tokenizer = tokenizer
         self.cache = CacheManager(
@@ -94,8 +88,8 @@ class Engine:
             has_mamba=config.model.num_mamba_layers > 0, state_block=config.resolved_mamba_block_size,
         )
         spec = config.speculative
-        self.runner = Runner(config, model) if workers is None else DriverRunner(config, model, workers)
-        self.proposer = make_proposer(config, self.runner)
+        self.runner = runner
+        self.proposer = proposer
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.cache,
                                    config.mamba_cache_mode, spec.num_speculative_tokens if spec else 0,
                                    config.resolved_max_model_len)
@@ -141,7 +135,7 @@ class Engine:
         """Compiles and captures what serving will run, with dummy requests (`engine/warmup.py`),
         then puts back what they changed: the next request id, the counters and the prefix cache
         (emptied); every block and slot is free again and no generator has drawn. For an idle
-        engine, before serving: `LLM` calls it on CUDA."""
+        engine, before serving: the composition root (`build.py`) calls it on CUDA."""
         if self.has_unfinished():
             raise RuntimeError("warm_up needs an idle engine: call it before adding requests")
         next_id = next(self._ids)

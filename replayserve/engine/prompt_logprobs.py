@@ -15,12 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from replayserve.config import SCORE_ROWS
 from replayserve.engine.sampler import compute_dtype, token_ranks
 from replayserve.engine.transfer import to_device
-
-# Positions scored at once: bounds the (rows, vocab) logits a long chunk materializes (256 rows
-# of a 131k vocabulary are 128 MiB in float32) and is the activation reserve's share for them.
-SCORE_ROWS = 256
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,10 @@ class StepOutput(NamedTuple):
 
 
 class Runner:
-    def __init__(self, config: EngineConfig, model: NemotronHForCausalLM) -> None:
+    def __init__(self, config: EngineConfig, model: NemotronHForCausalLM,
+                 hidden_store: HiddenStore | None = None) -> None:
+        """hidden_store: where the final hidden states of computed positions are recorded for the
+        MTP proposer, which reads them (the composition root hands both the same store)."""
         self.config = config
         self.model = model
         weight = model.backbone.embeddings.weight
@@ -71,7 +74,7 @@ class Runner:
             for _ in range(m.num_attention_layers)
         ]
         self.ssm = make_ssm_backend(config, self.dtype, self.device, m)
-        self.hidden_store: HiddenStore | None = None  # set by the MTP proposer: it reads final hidden states
+        self.hidden_store = hidden_store
         self._mixers = sorted((m for m in model.modules() if isinstance(m, Mamba2Mixer)), key=lambda m: m.mamba_index)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -91,7 +94,7 @@ class Runner:
         c = self.config
         return DecodeGraphs(self._forward, c.max_num_seqs, c.tokens_per_step, c.blocks_per_seq, c.block_size,
                             self.pad_block, self.ssm.layout.num_slots - 1, self.device,
-                            keep=lambda: dict(self.ssm._windows), restore=self._restore_windows, capture=capture)
+                            keep=lambda: self.ssm.verify_windows, restore=self._restore_windows, capture=capture)
 
     @torch.inference_mode()
     def prepare_for_serving(self) -> tuple[tuple[int, int], ...]:
@@ -108,7 +111,7 @@ class Runner:
         return self.graphs.prepare_all() if self.graphs is not None else ()
 
     def _restore_windows(self, windows: dict[int, torch.Tensor]) -> None:
-        self.ssm._windows = dict(windows)
+        self.ssm.verify_windows = windows
 
     def _forward(self, input_ids: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """The graphed part of a decode step: the SSM backend's begin_step, hidden states and
@@ -155,7 +158,7 @@ class Runner:
         )
         if self._mixers and ctx.num_decodes < len(plan.seqs) and triton_ok(self.model.backbone.embeddings.weight):
             # The packed prefill kernels' metadata, once for every Mamba layer (CUDA; elsewhere the
-            # layers run each sequence by itself).
+            # layers run each sequence by itself). Imported here: the module imports Triton.
             from replayserve.ssm.packed_prefill import build_prefill_plan
 
             ctx = dataclasses.replace(ctx, prefill_plan=build_prefill_plan(

@@ -34,19 +34,38 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from replayserve.cache.manager import CacheManager
+from replayserve.config import EngineConfig
 from replayserve.engine.request import Request, Status
+from replayserve.engine.runner import Runner
 from replayserve.sampling_params import SamplingParams
 from replayserve.speculative.proposers import Proposer
-
-if TYPE_CHECKING:
-    from replayserve.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
 
 # Warm-up prompts repeat a pattern this long, so the n-gram proposer finds drafts in them.
 PATTERN = 3
+
+
+class Engine(Protocol):
+    """What the warm-up drives and reads of an engine (`engine.Engine`, whose `warm_up` runs it and
+    puts back what it changed)."""
+
+    config: EngineConfig
+    cache: CacheManager
+    runner: Runner
+    proposer: Proposer | None
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    cache_salt: str | None = None) -> Request: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def step(self) -> list[Request]: ...
+
+    def abort(self, request: Request) -> None: ...
 
 
 @dataclass(frozen=True)

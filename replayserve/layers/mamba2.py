@@ -12,7 +12,8 @@ from replayserve.layers.linear import Linear
 from replayserve.layers.norm import GatedRMSNorm
 from replayserve.layers.step_context import StepContext
 from replayserve.ops.dtypes import compute_dtype
-from replayserve.ssm.backend import MambaParams, SSMBackend
+from replayserve.ssm.backend import SSMBackend
+from replayserve.ssm.params import MambaParams
 
 # A batch-1 decode step runs the conv update inside the in_proj GEMV (`ops/gemv_triton.gemv_conv_triton`):
 # one launch fewer per Mamba layer. A switch so that tests can compare it with the conv kernel.

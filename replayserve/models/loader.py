@@ -11,9 +11,11 @@ from pathlib import Path, PurePosixPath
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from replayserve.config import ModelConfig
-from replayserve.models.nemotron_h import NemotronHForCausalLM
+from replayserve.models.registry import family_of
+from replayserve.models.sharding import RankShard
 
 logger = logging.getLogger(__name__)
 
@@ -103,10 +105,11 @@ def _file_holding(files: list[Path], name: str) -> Path | None:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, rank: int = 0,
-               world_size: int = 1) -> NemotronHForCausalLM:
-    """Builds the model from `config.json` and fills every parameter from the checkpoint; with
-    `world_size` > 1, tensor-parallel rank `rank`'s slice of it (`models/sharding.py`), each
-    checkpoint tensor cut to that rank's part as it is read.
+               world_size: int = 1) -> nn.Module:
+    """Builds the model of the checkpoint's family (`models/registry.py`) from `config.json` and
+    fills every parameter from the checkpoint; with `world_size` > 1, tensor-parallel rank
+    `rank`'s slice of it (`models/sharding.py`), each checkpoint tensor cut to that rank's part as
+    it is read.
 
     With `tie_word_embeddings: true` the embedding matrix is the LM head, unless the checkpoint
     stores its own `lm_head.weight`: then that one is used (with a warning naming its file), as
@@ -123,13 +126,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
         logger.warning("%s stores %s although config.json sets tie_word_embeddings: true; using the stored "
                        "%s instead of the embedding matrix, as transformers does", head_file, _LM_HEAD, _LM_HEAD)
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
-    shard = None
-    if world_size > 1:
-        from replayserve.models.sharding import RankShard  # imports the layers: only when sharding
-
-        shard = RankShard(cfg, rank, world_size)
+    model_class = family_of(cfg).model_class
+    shard = RankShard(cfg, rank, world_size) if world_size > 1 else None
     with torch.device("meta"):
-        model = NemotronHForCausalLM(cfg) if shard is None else shard.build()
+        model = model_class(cfg) if shard is None else shard.build(model_class)
     model.allocate_(device, dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.backbone.embeddings.weight

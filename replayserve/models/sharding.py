@@ -29,7 +29,6 @@ from replayserve.layers.tensor_parallel import (
     all_reduce_output,
     vocab_rows,
 )
-from replayserve.models.nemotron_h import NemotronHForCausalLM
 from replayserve.ssm.layout import MambaShard
 
 Slicer = Callable[[torch.Tensor], torch.Tensor]
@@ -55,11 +54,12 @@ class RankShard:
         self.mamba = MambaShard.of(model, rank, world)
         self._slicers: dict[str, Slicer] = {}
 
-    def build(self) -> NemotronHForCausalLM:
-        """The rank's model (on the current default device: meta for the loader), its row-parallel
-        projections all-reducing their outputs."""
+    def build(self, model_class: type[nn.Module]) -> nn.Module:
+        """The rank's model of `model_class` (the family's, `models/registry.py`; Nemotron-H's module
+        tree) on the current default device (meta for the loader), its row-parallel projections
+        all-reducing their outputs."""
         cfg = self.model
-        net = NemotronHForCausalLM(local_model_config(cfg, self.rank, self.world))
+        net = model_class(local_model_config(cfg, self.rank, self.world))
         net.backbone.embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.rank, self.world)
         net.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.rank, self.world)
         if cfg.tie_word_embeddings:

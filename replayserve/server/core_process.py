@@ -28,8 +28,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from replayserve.build import build_engine
 from replayserve.config import EngineConfig
-from replayserve.llm import LLM
 from replayserve.server.core_messages import (
     Abort,
     AddRequest,
@@ -65,13 +65,13 @@ def run_engine_core(model: str, engine_options: dict[str, Any], input_address: s
     outputs.connect(output_address)
     try:
         try:
-            llm = LLM(model=model, **engine_options)
+            built = build_engine(model, **engine_options)
         except Exception as e:  # noqa: BLE001 - reported to the front end, which prints it
             outputs.send(encode(StartFailed(f"{type(e).__name__}: {e}")))
             return
-        outputs.send(encode(Ready(pickle.dumps(llm.config))))
-        _serve(EngineCore(llm.engine), commands, outputs)
-        llm.close()
+        outputs.send(encode(Ready(pickle.dumps(built.config))))
+        _serve(EngineCore(built.engine), commands, outputs)
+        built.close()
     finally:
         outputs.close(linger=2000)  # let the last outputs reach the front end
         commands.close(linger=0)

@@ -1,34 +1,41 @@
-"""Builds the proposer an engine's `speculative` config asks for."""
+"""The proposer an engine's `speculative` config asks for, from the parts the composition root
+(`build.py`) hands it; it builds no engine and changes no runner."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from torch import nn
 
 from replayserve.config import EngineConfig
+from replayserve.speculative.draft import DraftEngine, DraftModelProposer
+from replayserve.speculative.mtp import HiddenStore, MTPProposer
 from replayserve.speculative.proposers import NgramProposer, Proposer
 
-if TYPE_CHECKING:
-    from replayserve.engine.runner import Runner
+
+def hidden_store_for(engine: EngineConfig) -> HiddenStore | None:
+    """Where the runner records final hidden states, when the proposer reads them (MTP); else None."""
+    spec = engine.speculative
+    return HiddenStore() if spec is not None and spec.method == "mtp" else None
 
 
-def make_proposer(engine: EngineConfig, runner: Runner) -> Proposer | None:
-    """The proposer `engine.speculative` asks for; MTP drafts from the runner's model and the
-    hidden states it records."""
+def make_proposer(engine: EngineConfig, model: nn.Module, hidden_store: HiddenStore | None = None,
+                  draft_engine: DraftEngine | None = None) -> Proposer | None:
+    """The proposer `engine.speculative` asks for: MTP drafts from `model` (the target's) and the
+    hidden states its runner records in `hidden_store` (`hidden_store_for`); a draft model from
+    `draft_engine`, the draft model's own engine."""
     config = engine.speculative
     if config is None:
         return None
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "draft":
-        from replayserve.speculative.draft import DraftModelProposer
-
-        assert config.model is not None
-        return DraftModelProposer(config.model, engine)
+        if draft_engine is None:
+            raise ValueError("speculative method 'draft' needs the draft model's engine (build.py builds it)")
+        return DraftModelProposer(draft_engine, engine.resolved_max_model_len)
     if config.method == "mtp":
-        from replayserve.speculative.mtp import HiddenStore, MTPProposer
-
-        runner.hidden_store = HiddenStore()
-        return runner.mirror(MTPProposer(runner.model, runner.hidden_store, config.mtp_window))
+        if hidden_store is None:
+            raise ValueError("speculative method 'mtp' needs the store its runner records hidden states in "
+                             "(hidden_store_for)")
+        return MTPProposer(model, hidden_store, config.mtp_window)
     if config.method == "custom":
         return config.proposer
     raise ValueError(f"speculative method {config.method!r} has no proposer")  # rejected by the config

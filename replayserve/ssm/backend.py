@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,30 +13,10 @@ from replayserve.ops.copy_rows import copy_rows
 from replayserve.ops.dtypes import triton_ok
 from replayserve.ops.ssd import ssd_chunk_scan_ref
 from replayserve.ssm.layout import MambaLayout
+from replayserve.ssm.params import MambaParams, Segment
 
 if TYPE_CHECKING:
     from replayserve.ssm.packed_prefill import PrefillPlan
-
-# A step's prefill sequence: (token start, token end, state slot, captures, first position), as
-# `StepContext.prefill_segments()` lists them; captures as in `SSMBackend.prefill`.
-Segment = tuple[int, int, int, tuple[tuple[int, int], ...], int]
-
-
-@dataclass(frozen=True)
-class MambaParams:
-    """One Mamba2 layer's weights that the state update needs.
-
-    conv_weight (conv_dim, K); conv_bias (conv_dim,) or None; A, D, dt_bias (H,) in the state's
-    compute dtype; dt_limit clamps the processed time step.
-    """
-
-    conv_weight: torch.Tensor
-    conv_bias: torch.Tensor | None
-    A: torch.Tensor
-    D: torch.Tensor
-    dt_bias: torch.Tensor
-    dt_limit: tuple[float, float]
-    chunk_size: int
 
 
 class SSMBackend(ABC):
@@ -57,6 +36,18 @@ class SSMBackend(ABC):
                                                         torch.device("cpu"), self.layout.act_dtype)
         self.spec_states, self._windows, self._accepted = [], {}, None
         self._capture_indices: dict[tuple, torch.Tensor] = {}
+
+    @property
+    def verify_windows(self) -> dict[int, torch.Tensor]:
+        """The last verify step's conv windows by layer, (B, conv_dim, K - 1 + T) each (a new dict,
+        the tensors shared): what a graphed step leaves behind on this object, which a CUDA graph's
+        replay runs no Python to set (`DecodeGraphs` keeps it after a capture, restores it after a
+        replay)."""
+        return dict(self._windows)
+
+    @verify_windows.setter
+    def verify_windows(self, windows: dict[int, torch.Tensor]) -> None:
+        self._windows = dict(windows)
 
     @abstractmethod
     def reset_slots(self, slots: torch.Tensor) -> None:
@@ -80,7 +71,7 @@ class SSMBackend(ABC):
             ys = [self.prefill(layer, slot, xbc[start:end], dt[start:end], params, captures, first % params.chunk_size)
                   for start, end, slot, captures, first in segments]
             return ys[0] if len(ys) == 1 else torch.cat(ys)
-        from replayserve.ssm.packed_prefill import build_prefill_plan, packed_prefill
+        from replayserve.ssm.packed_prefill import build_prefill_plan, packed_prefill  # imports Triton: lazily
 
         if plan is None:
             plan = build_prefill_plan(segments, params.chunk_size, xbc.device)

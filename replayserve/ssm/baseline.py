@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from replayserve.ops.ssd import selective_state_update_ref
-from replayserve.ssm.backend import MambaParams, SSMBackend
+from replayserve.ssm.backend import SSMBackend
 from replayserve.ssm.layout import MambaLayout
+from replayserve.ssm.params import MambaParams
 
 
 class BaselineBackend(SSMBackend):

@@ -16,7 +16,7 @@ import torch
 
 from replayserve.ops.conv1d_varlen_triton import causal_conv1d_varlen_triton
 from replayserve.ops.ssd_triton import VarlenChunks, ssd_varlen_scan_triton, varlen_chunks
-from replayserve.ssm.backend import MambaParams, Segment
+from replayserve.ssm.params import MambaParams, Segment
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 
 from replayserve.ops import replay_ssm as ref
-from replayserve.ssm.backend import MambaParams, SSMBackend, conv_state_after
+from replayserve.ssm.backend import SSMBackend, conv_state_after
 from replayserve.ssm.layout import MambaLayout
+from replayserve.ssm.params import MambaParams
 
 
 def _kernels(device: torch.device):  # noqa: ANN202 - returns a module-like namespace

@@ -16,17 +16,15 @@ import torch
 from replayserve import LLM, SamplingParams
 from replayserve.builtin.tiny_code import (
     CODE_CHAT_TEMPLATE,
-    TINY_CODE,
-    TINY_CODE_DIR,
     completes_as_python,
     eval_results,
     function_headers,
     heldout_perplexity,
     heldout_texts,
     perplexity_windows,
-    resolve_model,
 )
 from replayserve.config import ModelConfig
+from replayserve.config.builtin_models import TINY_CODE, TINY_CODE_DIR, resolve_model
 
 # The least share of held-out function headers whose greedy body must be Python, for the weights
 # shipped now (H200-trained, eval.json: 43 of 64), less a flip or two of a near-tie on another CPU.

@@ -12,14 +12,16 @@ import torch
 from replayserve import LLM
 from replayserve.builtin.tiny import tiny_config
 from replayserve.cache import memory as cache_memory
-from replayserve.cache.memory import available_bytes, cache_bytes
-from replayserve.config import ConfigError, EngineConfig
+from replayserve.cache.memory import available_bytes, cache_bytes, check_cache_fit
+from replayserve.config import ConfigError, EngineConfig, ModelConfig
+from replayserve.engine.engine import Engine
+from replayserve.speculative.draft import draft_engine_config, draft_memory_bytes
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 2}
 
 
-def _allocated(llm: LLM) -> tuple[int, int]:
-    runner = llm.engine.runner
+def _allocated(engine: Engine) -> tuple[int, int]:
+    runner = engine.runner
     kv = sum(t.numel() * t.element_size() for pair in runner.kv_caches for t in pair)
     return kv, sum(t.numel() * t.element_size() for t in runner.ssm.state_tensors())
 
@@ -39,7 +41,7 @@ def test_cache_bytes_are_what_the_runner_allocates(tiny_model_dir: Path, kwargs:
     # bfloat16: the Mamba state (float32) and the activations' rings (bfloat16) differ in dtype.
     llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", device="cpu", max_num_seqs=3, max_model_len=64,
               block_size=8, **kwargs)
-    kv, mamba = _allocated(llm)
+    kv, mamba = _allocated(llm.engine)
     assert kv > 0 and mamba > 0
     assert cache_bytes(llm.config, torch.bfloat16) == (kv, mamba)
 
@@ -53,13 +55,22 @@ def test_oversized_kv_cache_is_refused_before_allocating(tiny_model_dir: Path) -
 
 def test_the_limit_is_the_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fits with exactly the bytes it needs, fails one byte short; an unset size names its source."""
-    kwargs = {"model": tiny_config(), "dtype": "float32", "device": "cpu", "max_num_seqs": 2, "max_model_len": 64}
-    needed = sum(cache_bytes(EngineConfig(**kwargs), torch.float32))
+    config = EngineConfig(model=tiny_config(), dtype="float32", device="cpu", max_num_seqs=2, max_model_len=64)
+    needed = sum(cache_bytes(config, torch.float32))
     monkeypatch.setattr(cache_memory, "available_bytes", lambda device: needed)
-    EngineConfig(**kwargs)
+    check_cache_fit(config)
     monkeypatch.setattr(cache_memory, "available_bytes", lambda device: needed - 1)
     with pytest.raises(ConfigError, match=rf"num_kv_blocks: 8 \(unset: max_num_seqs .* {needed:,} bytes in all"):
-        EngineConfig(**kwargs)
+        check_cache_fit(config)
+
+
+def test_an_engine_config_probes_no_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An `EngineConfig` is a value, validated from its fields alone: caches that do not fit are
+    refused where the engine is built (`check_cache_fit`, called by build.py), not at construction."""
+    monkeypatch.setattr(cache_memory, "available_bytes", lambda device: 0)
+    config = EngineConfig(model=tiny_config(), dtype="float32", device="cpu", num_kv_blocks=10**9)
+    with pytest.raises(ConfigError, match="engine option num_kv_blocks: 1000000000 KV blocks"):
+        check_cache_fit(config)
 
 
 def test_host_available_bytes_is_at_most_physical_memory() -> None:
@@ -73,14 +84,12 @@ def test_draft_memory_is_what_the_draft_model_holds(tiny_model_dir: Path, dtype:
     planned: its estimate is the draft's weights and caches as allocated. The MoE router is kept
     in float32, so the estimate (every weight in the model's dtype) is low by the router's
     rounding in bfloat16 at most."""
-    from replayserve.speculative.draft import DraftModelProposer
-
     spec = {"method": "draft", "model": str(tiny_model_dir), "num_speculative_tokens": 2}
     llm = LLM(model=str(tiny_model_dir), dtype=str(dtype).split(".")[1], device="cpu", max_num_seqs=3,
               max_model_len=64, block_size=8, speculative=spec)
-    draft = llm.engine.proposer.llm
-    weights = sum(p.numel() * p.element_size() for p in draft.engine.runner.model.parameters())
+    draft = llm.engine.proposer.engine
+    weights = sum(p.numel() * p.element_size() for p in draft.runner.model.parameters())
     held = weights + sum(_allocated(draft))
-    estimate = DraftModelProposer.memory_bytes(str(tiny_model_dir), llm.config)
-    router = sum(p.numel() for n, p in draft.engine.runner.model.named_parameters() if ".gate." in n)
+    estimate = draft_memory_bytes(draft_engine_config(ModelConfig.from_dir(tiny_model_dir), llm.config))
+    router = sum(p.numel() for n, p in draft.runner.model.named_parameters() if ".gate." in n)
     assert held - router * (4 - dtype.itemsize) <= estimate <= held

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from replayserve import LLM
+from replayserve.build import assemble_engine
 from replayserve.cache import sizing as cache_sizing
 from replayserve.cache.memory import cache_bytes
 from replayserve.cache.sizing import CachePlan, activation_reserve, plan_cache_sizes, size_caches
 from replayserve.config import ConfigError, EngineConfig, ModelConfig
-from replayserve.engine.engine import Engine
 from replayserve.models.loader import load_model
 
 GiB = 1024**3
@@ -109,7 +109,7 @@ def test_the_engine_allocates_what_was_planned(tiny_model_dir: Path, model: Mode
     fixed, per_block, per_slot = _prices(config)
     plan = plan_cache_sizes(config, GiB, GiB, _own_for(config, fixed + 21 * per_block + 5 * per_slot))
     sized = plan.apply(config)
-    engine = Engine(sized, load_model(str(tiny_model_dir), torch.float32, torch.device("cpu")), None)
+    engine = assemble_engine(sized, load_model(str(tiny_model_dir), torch.float32, torch.device("cpu")), None)
     runner = engine.runner
     kv = sum(t.numel() * t.element_size() for pair in runner.kv_caches for t in pair)
     mamba = sum(t.numel() * t.element_size() for t in runner.ssm.state_tensors())
@@ -176,12 +176,12 @@ def test_on_cpu_the_defaults_stay(tiny_model_dir: Path) -> None:
 
 
 def test_an_engine_built_directly_checks_the_default_sizes(model: ModelConfig, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Benchmarks build an Engine from a CUDA config without LLM's sizing: the defaults apply and
-    must fit (checked before anything is allocated)."""
+    """Benchmarks assemble an engine from a CUDA config without the root's sizing: the defaults
+    apply and must fit (checked before anything is allocated)."""
     from replayserve.cache import memory as cache_memory
 
     config = dataclasses.replace(_config(model), device="cuda")
     needed = sum(cache_bytes(config, torch.float32))
     monkeypatch.setattr(cache_memory, "available_bytes", lambda device: needed - 1)
     with pytest.raises(ConfigError, match="engine option num_kv_blocks: 24 .unset: max_num_seqs"):
-        Engine(config, None, None)  # type: ignore[arg-type]
+        assemble_engine(config, None, None)  # type: ignore[arg-type]

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from replayserve.ssm.backend import MambaParams
 from replayserve.ssm.baseline import BaselineBackend
 from replayserve.ssm.layout import MambaLayout
+from replayserve.ssm.params import MambaParams
 
 F64 = torch.float64
 Q = 8  # SSD chunk size

@@ -301,7 +301,7 @@ def test_draft_model_keeps_a_boundary_state_per_running_request(tiny_model_dir: 
     llm = LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", max_num_seqs=4,
               speculative={"method": "draft", "num_speculative_tokens": 3, "model": str(other_model_dir)})
     llm.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY, use_tqdm=False)
-    draft = llm.engine.proposer.llm  # type: ignore[union-attr]
+    draft = llm.engine.proposer.engine  # type: ignore[union-attr]
     m = draft.get_metrics()
     assert m["prefix_cache_queries"] > 0 and m["prefix_cache_hit_rate"] > 0.6, m  # 0.0 with one slot
-    assert draft.engine.cache.states is not None and draft.engine.cache.states.size >= 4 * 4
+    assert draft.cache.states is not None and draft.cache.states.size >= 4 * 4

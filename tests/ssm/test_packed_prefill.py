@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
-from replayserve.ssm.backend import MambaParams
 from replayserve.ssm.baseline import BaselineBackend
 from replayserve.ssm.layout import MambaLayout
 from replayserve.ssm.packed_prefill import build_prefill_plan
+from replayserve.ssm.params import MambaParams
 from replayserve.ssm.replay import ReplayBackend
 
 CUDA = torch.cuda.is_available()

@@ -1,7 +1,8 @@
-"""A tensor-parallel worker: `python -m replayserve.distributed.worker RANK WORLD PORT`, started by
-rank 0 (`group.Workers.start`). It loads its slice of the model, builds its runner (and the MTP
-proposer), joins the process group, then replays rank 0's calls until told to stop or until
-rank 0's pipe closes."""
+"""A tensor-parallel worker process: `python -m replayserve.tp_worker RANK WORLD PORT`, started by
+rank 0 (`distributed.group.Workers.start`). It loads its slice of the model, builds its runner (and
+the MTP proposer) through the composition root (`build.build_worker`), joins the process group,
+then replays rank 0's calls until told to stop or until rank 0's pipe closes. A process's main
+program, like `cli.py`: it sits above the root it builds with."""
 
 from __future__ import annotations
 
@@ -11,11 +12,9 @@ import sys
 
 import torch
 
+from replayserve.build import build_worker
 from replayserve.distributed.group import READY, init_group
-from replayserve.distributed.runner_proxy import WorkerRunner
-from replayserve.llm import TORCH_DTYPES
 from replayserve.models.loader import load_model
-from replayserve.speculative.factory import make_proposer
 
 
 def main(rank: int, world: int, port: int) -> None:
@@ -27,7 +26,7 @@ def main(rank: int, world: int, port: int) -> None:
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
     torch.set_num_threads(max(1, torch.get_num_threads() // world))
-    model = load_model(model_dir, TORCH_DTYPES[dtype], torch.device(device), rank, world)
+    model = load_model(model_dir, getattr(torch, dtype), torch.device(device), rank, world)
     kind, config = pickle.load(inbox)  # sent once rank 0 has sized the caches
     if kind == "shutdown":  # rank 0 failed to start
         return
@@ -35,8 +34,7 @@ def main(rank: int, world: int, port: int) -> None:
     config = dataclasses.replace(config, device=device)
     if config.cpu_threads is not None:  # rank 0's choice for each rank (cpu_threads.py)
         torch.set_num_threads(config.cpu_threads)
-    runner = WorkerRunner(config, model, inbox)
-    proposer = make_proposer(config, runner) if config.speculative is not None else None
+    runner, proposer = build_worker(config, model, inbox)
     outbox.write(READY)
     outbox.flush()
     init_group(rank, world, port, device)
