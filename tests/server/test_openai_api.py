@@ -185,7 +185,8 @@ def test_models_health_and_metrics(client: OpenAI, server: RunningServer) -> Non
     assert counter(after, "replayserve_time_to_first_token_seconds_count") > counter(
         before, "replayserve_time_to_first_token_seconds_count")
     # The core's own TTFT: one more request, a positive time no longer than the front end's.
-    core_n, core_s = "replayserve_core_time_to_first_token_requests_total", "replayserve_core_time_to_first_token_seconds"
+    core_n = "replayserve_core_time_to_first_token_requests_total"
+    core_s = "replayserve_core_time_to_first_token_seconds"
     assert counter(after, core_n) - counter(before, core_n) == 1
     core_ttft = counter(after, core_s) - counter(before, core_s)
     front_ttft = counter(after, "replayserve_time_to_first_token_seconds_sum") - counter(
