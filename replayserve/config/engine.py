@@ -90,7 +90,10 @@ _ENGINE_MINIMUMS = dict.fromkeys(("max_num_seqs", "max_num_batched_tokens", "max
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine needs besides the weights; validated against the model."""
+    """Everything the engine needs besides the weights; validated against the model.
+
+    Every field but `model` is the engine option of its name (`options.py` says what it does and
+    holds LLM's default, which `resolve_options` turns into these)."""
 
     model: ModelConfig
     dtype: str = "bfloat16"
