@@ -3,7 +3,14 @@ speculative decoding's (`engine.py`), the table of engine options that `LLM` and
 follow (`options.py`), and the annotation-driven field checks they share (`checks.py`). Callers
 import all of them from here."""
 
-from replayserve.config.engine import ALLOW_LONG_MAX_MODEL_LEN, SPEC_METHODS, EngineConfig, SpeculativeConfig
+from replayserve.config.engine import (
+    ALLOW_LONG_MAX_MODEL_LEN,
+    SPEC_METHODS,
+    EngineConfig,
+    SpeculativeConfig,
+    check_mamba_cache_mode,
+    check_replay_window,
+)
 from replayserve.config.model import (
     ATTENTION,
     DEVICES,
@@ -25,4 +32,5 @@ from replayserve.config.options import DERIVED_FIELDS, ENGINE_OPTIONS, EngineOpt
 __all__ = ["ALLOW_LONG_MAX_MODEL_LEN", "ATTENTION", "DERIVED_FIELDS", "DEVICES", "DTYPES", "ENGINE_OPTIONS",
            "LAYER_TYPES", "MAMBA", "MAMBA_CACHE_MODES", "MAX_REPLAY_WINDOW", "MLP", "MOE", "PATTERN_CHARS",
            "SPEC_METHODS", "SSM_BACKENDS", "ConfigError", "EngineConfig", "EngineOption", "ModelConfig",
-           "SpeculativeConfig", "resolve_options", "tensor_parallel_error"]
+           "SpeculativeConfig", "check_mamba_cache_mode", "check_replay_window", "resolve_options",
+           "tensor_parallel_error"]
