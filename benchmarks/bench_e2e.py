@@ -58,9 +58,10 @@ from shapes import SIZES, model_config, random_model  # noqa: E402
 
 from replayserve.config import EngineConfig  # noqa: E402
 from replayserve.engine.engine import Engine  # noqa: E402
-from replayserve.engine.request import SamplingParams, Status  # noqa: E402
+from replayserve.engine.request import Status  # noqa: E402
 from replayserve.layers.mlp import MoE  # noqa: E402
 from replayserve.models.nemotron_h import NemotronHForCausalLM  # noqa: E402
+from replayserve.sampling_params import SamplingParams  # noqa: E402
 from replayserve.ssm.layout import MambaLayout  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

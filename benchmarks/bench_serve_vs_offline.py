@@ -61,10 +61,10 @@ from bench_serve import arrival_times, drive, make_workload, summarize  # noqa: 
 from offline_waves import offline_wave  # noqa: E402
 from shapes import SIZES, write_checkpoint  # noqa: E402
 
+from replayserve.builtin.tiny_code import TINY_CODE, resolve_model  # noqa: E402
 from replayserve.cli import add_engine_options, engine_options  # noqa: E402
 from replayserve.config import ModelConfig  # noqa: E402
 from replayserve.llm import LLM, TORCH_DTYPES  # noqa: E402
-from replayserve.tiny_code import TINY_CODE, resolve_model  # noqa: E402
 
 
 @dataclass

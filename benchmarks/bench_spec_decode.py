@@ -42,13 +42,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from shapes import SIZES, model_config, random_model  # noqa: E402
 
+from replayserve.builtin.tiny_code import heldout_texts, resolve_model  # noqa: E402
 from replayserve.config import ConfigError, EngineConfig, SpeculativeConfig  # noqa: E402
 from replayserve.engine.engine import Engine  # noqa: E402
-from replayserve.engine.request import SamplingParams  # noqa: E402
 from replayserve.llm import LLM  # noqa: E402
 from replayserve.models.nemotron_h import NemotronHForCausalLM  # noqa: E402
+from replayserve.sampling_params import SamplingParams  # noqa: E402
 from replayserve.speculative.proposers import OracleProposer  # noqa: E402
-from replayserve.tiny_code import heldout_texts, resolve_model  # noqa: E402
 from replayserve.tokenizer import Tokenizer  # noqa: E402
 
 _HEADER_LINE = re.compile(r"^[ \t]*(async[ \t]+)?def[ \t]+\w+.*:[ \t]*$", re.MULTILINE)

@@ -37,8 +37,8 @@ from bench_e2e import random_prompts, sync_fn, timed_windows  # noqa: E402
 from shapes import SIZES, model_config, random_model  # noqa: E402
 
 from replayserve import LLM  # noqa: E402
-from replayserve.engine.request import SamplingParams  # noqa: E402
 from replayserve.models.writer import save_model  # noqa: E402
+from replayserve.sampling_params import SamplingParams  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 COLLECTIVES = ("nccl", "allreduce", "all_reduce", "allgather", "all_gather")

@@ -33,7 +33,7 @@ from shapes import SIZES, model_config, random_model  # noqa: E402
 
 from replayserve.config import EngineConfig  # noqa: E402
 from replayserve.engine.engine import Engine  # noqa: E402
-from replayserve.engine.request import SamplingParams  # noqa: E402
+from replayserve.sampling_params import SamplingParams  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

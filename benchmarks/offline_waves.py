@@ -24,7 +24,8 @@ from collections import deque
 from bench_serve import Result
 
 from replayserve.engine.engine import Engine
-from replayserve.engine.request import Request, SamplingParams, Status
+from replayserve.engine.request import Request, Status
+from replayserve.sampling_params import SamplingParams
 
 
 def offline_wave(engine: Engine, workload: list[tuple[list[int], int]], arrivals: list[float],

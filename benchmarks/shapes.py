@@ -1,7 +1,7 @@
 """Named model shapes for the benchmarks, and random-weight models of them built in memory.
 
 A shape is a layer pattern (`LAYERS`, the `hybrid_override_pattern` alphabet: M Mamba2, * attention,
-- MLP, E MoE) plus `ModelConfig` fields that replace `replayserve.tiny.tiny_config`'s (`SIZES`).
+- MLP, E MoE) plus `ModelConfig` fields that replace `replayserve.builtin.tiny.tiny_config`'s (`SIZES`).
 `make_tiny(dir, layers=LAYERS[s], **SIZES[s])` writes one to disk; `random_model` builds one on the
 device directly (no checkpoint), which is the only practical way for `nemotron-h-8b`, and
 `write_checkpoint` writes what it builds for the benchmarks that need a model directory.
@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from replayserve.builtin.tiny import SPECIAL_TOKENS, tiny_config
 from replayserve.config import ModelConfig
 from replayserve.models.nemotron_h import NemotronHForCausalLM
 from replayserve.models.writer import save_model
-from replayserve.tiny import SPECIAL_TOKENS, tiny_config
 
 SIZES: dict[str, dict] = {
     "tiny": {},
@@ -72,7 +72,7 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | st
                  seed: int = 0) -> NemotronHForCausalLM:
     """A model of `cfg` with random weights, allocated and drawn on `device`.
 
-    The value rules are `replayserve.tiny.init_random_weights`'s (unit norms and D, A_log = log(1..H),
+    The value rules are `replayserve.builtin.tiny.init_random_weights`'s (unit norms and D, A_log = log(1..H),
     log-uniform time steps, fan-in scaled matrices), drawn with a generator on the device: the CPU
     generator that function uses takes minutes for 8B parameters.
     """

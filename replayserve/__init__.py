@@ -2,9 +2,9 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
-from replayserve.engine.request import SamplingParams
 from replayserve.llm import LLM
 from replayserve.outputs import CompletionOutput, Logprob, RequestOutput
+from replayserve.sampling_params import SamplingParams
 
 try:
     __version__ = version("replayserve")

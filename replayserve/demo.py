@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from replayserve.engine.request import SamplingParams
 from replayserve.llm import LLM
+from replayserve.sampling_params import SamplingParams
 
 # No prompt ends in a newline: the tokenizer merges a newline with the next line's indentation, so
 # the model writes them together (a bare newline token would announce an unindented line).
@@ -213,8 +213,8 @@ def _where(llm: LLM) -> str:
 
 
 def _has_mtp(model: str) -> bool:
+    from replayserve.builtin.tiny_code import resolve_model
     from replayserve.config import ModelConfig
-    from replayserve.tiny_code import resolve_model
 
     return ModelConfig.from_dir(resolve_model(model)).num_nextn_predict_layers > 0
 

@@ -15,7 +15,7 @@ included), and ends by exporting the current weights to `OUT/model/` in Hugging 
 shards of at most 16 MB, `tokenizer.json`, `tokenizer_config.json`, `heldout_sample.json` and
 `eval.json` (held-out perplexity and function-header share, measured with this engine on CPU in
 float32, which the package's tests check). `--install` copies that directory over
-`replayserve/models/tiny_code/`. It prints `done` once every step has run.
+`replayserve/builtin/tiny_code_checkpoint/`. It prints `done` once every step has run.
 
 The shipped weights (NVIDIA H200, 16 CPU cores), from the repository root; run the same command
 until it prints `done` (each run resumes from `ckpt.pt`, the first starts fresh):
@@ -24,8 +24,9 @@ until it prints `done` (each run resumes from `ckpt.pt`, the first starts fresh)
 
 The first run also builds the tokenizer and token streams (about a minute); each logs tokens/s and
 the minutes left (`eta_min`) every 10 steps. Then replace the package's files with the export:
-`rm replayserve/models/tiny_code/* && cp runs/tiny-code/model/* replayserve/models/tiny_code/` (or
-add `--install` to the last run), and set `MIN_HEADER_SHARE` in tests/test_tiny_code.py from the
+`rm replayserve/builtin/tiny_code_checkpoint/* &&
+cp runs/tiny-code/model/* replayserve/builtin/tiny_code_checkpoint/` (or
+add `--install` to the last run), and set `MIN_HEADER_SHARE` in tests/builtin/test_tiny_code.py from the
 new `eval.json`. The shipped weights came from one run on 2026-12-04 (torch 2.11, Python 3.12.3's
 stdlib: 2.7M training tokens, 8 passes = 659 steps): `--minutes 6.5` (tokenizer and streams ~1 min,
 104 s of training at ~210k tokens/s; held-out perplexity 12.1, 43 of 64 held-out function headers
@@ -54,11 +55,8 @@ from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from replayserve.config import PATTERN_CHARS, ModelConfig  # noqa: E402
-from replayserve.models.nemotron_h import NemotronHForCausalLM  # noqa: E402
-from replayserve.models.writer import save_model  # noqa: E402
-from replayserve.tiny import SPECIAL_TOKENS, train_tokenizer  # noqa: E402
-from replayserve.tiny_code import (  # noqa: E402
+from replayserve.builtin.tiny import SPECIAL_TOKENS, train_tokenizer  # noqa: E402
+from replayserve.builtin.tiny_code import (  # noqa: E402
     CODE_CHAT_TEMPLATE,
     EVAL_RESULTS,
     HELDOUT_SAMPLE,
@@ -69,7 +67,7 @@ from replayserve.tiny_code import (  # noqa: E402
     heldout_texts,
     perplexity_windows,
 )
-from replayserve.training.corpus import (  # noqa: E402
+from replayserve.builtin.training.corpus import (  # noqa: E402
     corpus_files,
     read_texts,
     split_files,
@@ -77,12 +75,15 @@ from replayserve.training.corpus import (  # noqa: E402
     token_stream,
     write_heldout_sample,
 )
-from replayserve.training.forward import balance_experts_, losses  # noqa: E402
+from replayserve.builtin.training.forward import balance_experts_, losses  # noqa: E402
+from replayserve.config import PATTERN_CHARS, ModelConfig  # noqa: E402
+from replayserve.models.nemotron_h import NemotronHForCausalLM  # noqa: E402
+from replayserve.models.writer import save_model  # noqa: E402
 
 EOS_ID = SPECIAL_TOKENS.index("</s>")
 HELDOUT_EVERY = 20
 MAX_SHARD_BYTES = 16 * 10**6
-# What eval.json records and tests/test_tiny_code.py re-measures on the shipped weights.
+# What eval.json records and tests/builtin/test_tiny_code.py re-measures on the shipped weights.
 PPL_FILES, PPL_TOKENS = 16, 256
 HEADERS, HEADER_TOKENS = 64, 96
 
@@ -262,7 +263,7 @@ def export(model: NemotronHForCausalLM, work: Path, summary: dict) -> Path:
 
 
 def install(exported: Path) -> None:
-    """Replaces the package's tiny_code/ files with the export (old shards removed first)."""
+    """Replaces the package's tiny_code_checkpoint/ files with the export (old shards removed first)."""
     TINY_CODE_DIR.mkdir(parents=True, exist_ok=True)
     for old in TINY_CODE_DIR.iterdir():
         old.unlink()
@@ -280,7 +281,8 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt when there is one")
     parser.add_argument("--steps", type=int, help="total steps (default: the preset's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--install", action="store_true", help="copy the export into replayserve/models/tiny_code/")
+    parser.add_argument("--install", action="store_true",
+                        help="copy the export into replayserve/builtin/tiny_code_checkpoint/")
     parser.add_argument("--reserve-s", type=float, default=90.0,
                         help="seconds of the budget kept for the checkpoint, export and evaluation")
     args = parser.parse_args()

@@ -14,7 +14,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from replayserve.tiny import make_tiny  # noqa: E402
+from replayserve.builtin.tiny import make_tiny  # noqa: E402
 
 torch.set_num_threads(2)
 

@@ -9,8 +9,8 @@ import typing
 
 import pytest
 
+from replayserve.builtin.tiny import tiny_config
 from replayserve.config import ALLOW_LONG_MAX_MODEL_LEN, ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
-from replayserve.tiny import tiny_config
 
 BASE = tiny_config()  # M*-ME: 4 attention heads over 2 KV heads, 8 Mamba heads in 2 groups, 4 experts
 # config.json keys of the fields whose name differs.
@@ -130,9 +130,9 @@ def test_max_model_len_is_bounded_by_max_position_embeddings(monkeypatch: pytest
 
 def test_residual_in_fp32_true_is_read_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     """transformers does not apply it either (tests/models/test_hf_parity.py checks both engines)."""
-    with caplog.at_level(logging.WARNING, logger="replayserve.model_config"):
+    with caplog.at_level(logging.WARNING, logger="replayserve.config.model"):
         assert _from_json(residual_in_fp32=True) == _from_json(residual_in_fp32=False) == BASE
-    assert [r.name for r in caplog.records] == ["replayserve.model_config"]
+    assert [r.name for r in caplog.records] == ["replayserve.config.model"]
     assert "residual_in_fp32: true, which is not applied" in caplog.records[0].getMessage()
 
 

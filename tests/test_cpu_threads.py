@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from replayserve import LLM
+from replayserve.builtin.tiny import tiny_config
 from replayserve.cli import main
 from replayserve.config import ConfigError, EngineConfig
 from replayserve.cpu_threads import cgroup_cpu_limit, choose_cpu_threads, idle_ticks, threads_for_idle
-from replayserve.tiny import tiny_config
 
 
 @pytest.fixture(autouse=True)

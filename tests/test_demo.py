@@ -11,10 +11,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from replayserve.builtin.tiny_code import TINY_CODE, resolve_model
 from replayserve.demo import SpecRun, cpu_note, run_demo, verdict
-from replayserve.engine.request import SamplingParams
 from replayserve.llm import LLM
-from replayserve.tiny_code import TINY_CODE, resolve_model
+from replayserve.sampling_params import SamplingParams
 
 
 @pytest.fixture(autouse=True)

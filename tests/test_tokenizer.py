@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from replayserve.tiny_code import resolve_model
+from replayserve.builtin.tiny_code import resolve_model
 from replayserve.tokenizer import LONG_TEXT, Tokenizer
 
 

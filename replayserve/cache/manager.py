@@ -14,11 +14,30 @@ A prefix hit of ``p`` tokens needs every KV block of ``[0, p)`` and a boundary s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from replayserve.cache.block_pool import IdPool
 from replayserve.cache.hashing import BlockHash, BlockKey, block_keys
 from replayserve.cache.prefix_pool import PrefixBlockPool
-from replayserve.engine.request import Request
+
+
+class Request(Protocol):
+    """What the cache reads of a request (the engine's `engine.request.Request` is one): its id, its
+    tokens, its live state slot and how many tokens are computed; it keeps the request's block keys
+    and hashes on it, extended as the request grows."""
+
+    request_id: str
+    extra_keys: tuple
+    block_keys: list
+    block_hashes: list
+    state_slot: int | None
+    num_computed_tokens: int
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 @dataclass(frozen=True)

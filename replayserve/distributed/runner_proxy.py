@@ -19,11 +19,11 @@ import torch
 
 from replayserve.config import EngineConfig
 from replayserve.distributed.group import Workers
-from replayserve.engine.request import SamplingParams
 from replayserve.engine.runner import Runner, StepOutput
 from replayserve.engine.sampler import SampleResult
 from replayserve.engine.scheduler import StepPlan
 from replayserve.models.nemotron_h import NemotronHForCausalLM
+from replayserve.sampling_params import SamplingParams
 from replayserve.speculative.proposers import DraftRequest, Proposer
 
 

@@ -14,12 +14,13 @@ from replayserve.config import EngineConfig
 from replayserve.distributed.runner_proxy import DriverRunner
 from replayserve.engine.penalties import uses_history
 from replayserve.engine.prompt_logprobs import PromptScores
-from replayserve.engine.request import Request, SamplingParams, Status
+from replayserve.engine.request import Request, Status
 from replayserve.engine.runner import Runner
 from replayserve.engine.sampler import PendingSample, SampleResult
 from replayserve.engine.scheduler import Scheduler, StepPlan
 from replayserve.engine.warmup import WarmupReport, run_warm_up
 from replayserve.models.nemotron_h import NemotronHForCausalLM
+from replayserve.sampling_params import SamplingParams
 from replayserve.speculative.factory import make_proposer
 from replayserve.speculative.metrics import SpecMetrics
 from replayserve.speculative.proposers import DraftRequest

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from replayserve.engine.request import SamplingParams
 from replayserve.engine.transfer import to_device
+from replayserve.sampling_params import SamplingParams
 
 
 def uses_history(p: SamplingParams) -> bool:

@@ -11,7 +11,6 @@ import torch
 from replayserve.config import EngineConfig, ModelConfig
 from replayserve.engine.cuda_graph import DecodeGraphs
 from replayserve.engine.prompt_logprobs import PromptScores, score_prompt
-from replayserve.engine.request import SamplingParams
 from replayserve.engine.sampler import PendingSample, SampleResult, collect_sample, launch_sample, sample
 from replayserve.engine.scheduler import StepPlan
 from replayserve.engine.transfer import to_device
@@ -20,6 +19,7 @@ from replayserve.layers.mlp import MoE
 from replayserve.layers.step_context import StepContext
 from replayserve.models.nemotron_h import NemotronHForCausalLM
 from replayserve.ops.dtypes import triton_ok
+from replayserve.sampling_params import SamplingParams
 from replayserve.ssm.backend import SSMBackend
 from replayserve.ssm.baseline import BaselineBackend
 from replayserve.ssm.layout import MambaLayout

@@ -34,8 +34,8 @@ from typing import NamedTuple
 import torch
 
 from replayserve.engine.penalties import Penalties, apply_penalties
-from replayserve.engine.request import SamplingParams
 from replayserve.engine.transfer import to_device
+from replayserve.sampling_params import SamplingParams
 from replayserve.speculative.acceptance import accept_drafts
 
 

@@ -36,7 +36,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from replayserve.engine.request import Request, SamplingParams, Status
+from replayserve.engine.request import Request, Status
+from replayserve.sampling_params import SamplingParams
 from replayserve.speculative.proposers import Proposer
 
 if TYPE_CHECKING:

@@ -105,7 +105,7 @@ def _file_holding(files: list[Path], name: str) -> Path | None:
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, rank: int = 0,
                world_size: int = 1) -> NemotronHForCausalLM:
     """Builds the model from `config.json` and fills every parameter from the checkpoint; with
-    `world_size` > 1, tensor-parallel rank `rank`'s slice of it (`distributed/sharding.py`), each
+    `world_size` > 1, tensor-parallel rank `rank`'s slice of it (`models/sharding.py`), each
     checkpoint tensor cut to that rank's part as it is read.
 
     With `tie_word_embeddings: true` the embedding matrix is the LM head, unless the checkpoint
@@ -125,7 +125,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     shard = None
     if world_size > 1:
-        from replayserve.distributed.sharding import RankShard  # imports the layers: only when sharding
+        from replayserve.models.sharding import RankShard  # imports the layers: only when sharding
 
         shard = RankShard(cfg, rank, world_size)
     with torch.device("meta"):

@@ -22,7 +22,7 @@ from typing import Protocol
 
 from replayserve.config import EngineConfig
 from replayserve.engine.engine import Engine, validate_request
-from replayserve.engine.request import SamplingParams
+from replayserve.sampling_params import SamplingParams
 from replayserve.server.core_messages import Abort, AddRequest, CoreOutputs, ToCore, TokenOutput, params_to_dict
 from replayserve.server.detokenize import IncrementalDetokenizer
 from replayserve.server.engine_core import EngineCore

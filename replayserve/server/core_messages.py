@@ -16,7 +16,7 @@ import dataclasses
 
 import msgspec
 
-from replayserve.engine.request import SamplingParams
+from replayserve.sampling_params import SamplingParams
 
 
 class AddRequest(msgspec.Struct, tag=True, array_like=True):

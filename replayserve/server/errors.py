@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 
 from replayserve.server.protocol import error_body
 
-# A refused value names its option: "SamplingParams.top_p must be ..." (engine/request.py).
+# A refused value names its option: "SamplingParams.top_p must be ..." (sampling_params.py).
 _PARAM_IN_MESSAGE = re.compile(r"SamplingParams\.(\w+)")
 
 

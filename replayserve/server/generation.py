@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from replayserve.chat import ChatTemplate, Message
-from replayserve.engine.request import SamplingParams
+from replayserve.sampling_params import SamplingParams
 from replayserve.server.async_engine import AsyncEngine, Delta, EngineError, Overloaded, RequestGroup
 from replayserve.server.errors import ApiError, invalid_value
 from replayserve.server.protocol import (

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from replayserve.engine.request import SamplingParams
+from replayserve.sampling_params import SamplingParams
 
 # OpenAI's documented limits on the alternatives returned per token (the offline API allows up to
 # the vocabulary): completions' legacy `logprobs` and chat's `top_logprobs`.

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from replayserve.config import ConfigError, EngineConfig, ModelConfig
-from replayserve.engine.request import SamplingParams
+from replayserve.sampling_params import SamplingParams
 from replayserve.speculative.proposers import Proposer
 
 
@@ -42,7 +42,7 @@ class DraftModelProposer(Proposer):
     def memory_bytes(cls, model_dir: str, target: EngineConfig) -> int:
         """What the draft will hold on the device: its weights (in the target's dtype) and its
         caches. The target's cache sizing leaves it room, since the draft loads after it."""
-        from replayserve.cache_memory import cache_bytes
+        from replayserve.cache.memory import cache_bytes
         from replayserve.models.nemotron_h import NemotronHForCausalLM
 
         draft_cfg = ModelConfig.from_dir(model_dir)

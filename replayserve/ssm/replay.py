@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from replayserve.config import check_replay_window
 from replayserve.ops import replay_ssm as ref
 from replayserve.ssm.backend import MambaParams, SSMBackend, conv_state_after
 from replayserve.ssm.layout import MambaLayout
@@ -27,8 +28,7 @@ def _kernels(device: torch.device):  # noqa: ANN202 - returns a module-like name
 
 class ReplayBackend(SSMBackend):
     def __init__(self, layout: MambaLayout, device: torch.device) -> None:
-        if layout.window < layout.tokens_per_step:
-            raise ValueError(f"replay_window={layout.window} must be >= tokens per step {layout.tokens_per_step}")
+        check_replay_window(layout.window, layout.tokens_per_step)  # EngineConfig's check, for hand-made layouts
         self.layout = layout
         self._prepare, self._step, self._commit, self._materialize = _kernels(device)
         # The references take padded rows as slot -1; the fixed-shape decode path pads with the pad

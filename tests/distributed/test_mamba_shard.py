@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
+from replayserve.builtin.tiny import tiny_config
 from replayserve.ssm.layout import MambaShard
-from replayserve.tiny import tiny_config
 
 
 @pytest.mark.parametrize(("heads", "groups", "world", "expected"), [

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from replayserve import LLM, SamplingParams
-from replayserve.cache_memory import cache_bytes_for
+from replayserve.builtin.tiny import make_tiny
+from replayserve.cache.memory import cache_bytes_for
 from replayserve.outputs import RequestOutput
-from replayserve.tiny import make_tiny
 from tests.conftest import assert_pools_full
 
 TOLERANCE = 1e-10  # float64 round-off, summed in another order over the ranks

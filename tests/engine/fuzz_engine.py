@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from replayserve import LLM, SamplingParams
+from replayserve.builtin.tiny import make_tiny
 from replayserve.engine.request import Request, Status
 from replayserve.speculative.proposers import OracleProposer
-from replayserve.tiny import make_tiny
 
 STAGES = ("propose", "execute_before", "execute_after", "ssm_end_step", "decode", "publish_after", "update",
           "finish")

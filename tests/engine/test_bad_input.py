@@ -10,8 +10,8 @@ import pytest
 
 from replayserve import LLM, SamplingParams
 from replayserve.config import ALLOW_LONG_MAX_MODEL_LEN, ConfigError
-from replayserve.engine.request import FLOAT32_MAX, FLOAT32_TINY
 from replayserve.models.loader import CheckpointError
+from replayserve.sampling_params import FLOAT32_MAX, FLOAT32_TINY
 from tests.conftest import assert_pools_full
 
 GOOD = {"prompt_token_ids": [5, 6, 7, 8]}

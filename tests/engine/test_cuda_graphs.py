@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from replayserve import LLM, SamplingParams
+from replayserve.builtin.tiny import make_tiny
 from replayserve.engine.cuda_graph import capture_buckets
-from replayserve.tiny import make_tiny
 from tests.conftest import assert_pools_full
 
 

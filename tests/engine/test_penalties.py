@@ -12,8 +12,8 @@ import torch
 
 from replayserve import LLM, SamplingParams
 from replayserve.engine.penalties import Penalties, apply_penalties, apply_penalties_ref
-from replayserve.engine.request import FLOAT32_TINY
 from replayserve.engine.sampler import SamplingBatch, filter_logits, filter_ref, sample
+from replayserve.sampling_params import FLOAT32_TINY
 
 F64 = torch.float64
 VOCAB = 50

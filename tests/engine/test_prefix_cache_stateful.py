@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from replayserve import LLM, SamplingParams
+from replayserve.builtin.tiny import make_tiny
 from replayserve.engine.request import Request, Status
-from replayserve.tiny import make_tiny
 from tests.conftest import assert_pools_full
 from tests.engine.test_prefix_cache import _llm, check_boundary_states
 

@@ -10,7 +10,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from replayserve import LLM, SamplingParams
-from replayserve.engine.request import MIN_TEMPERATURE, MIN_TOP_P
 from replayserve.engine.sampler import (
     SampleResult,
     SamplingBatch,
@@ -20,6 +19,7 @@ from replayserve.engine.sampler import (
     sample,
     sample_tokens,
 )
+from replayserve.sampling_params import MIN_TEMPERATURE, MIN_TOP_P
 from tests.conftest import assert_pools_full
 
 PROMPT = {"prompt_token_ids": [10, 11, 12, 13, 14, 15]}

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from replayserve import LLM, SamplingParams
+from replayserve.builtin.tiny import make_tiny
 from replayserve.config import ConfigError
 from replayserve.speculative.proposers import DraftRequest, OracleProposer
-from replayserve.tiny import make_tiny
 from tests.conftest import assert_pools_full
 from tests.engine.test_prefix_cache import _llm, _workload, check_boundary_states
 

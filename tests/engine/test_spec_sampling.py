@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from replayserve import LLM, SamplingParams
+from replayserve.builtin.tiny import make_tiny
 from replayserve.speculative.proposers import Proposer
-from replayserve.tiny import make_tiny
 
 PROMPT = [1, 5, 2, 7]
 DRAFT = 3

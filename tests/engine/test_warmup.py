@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from replayserve import LLM, SamplingParams
+from replayserve.builtin.tiny import make_tiny
 from replayserve.engine.cuda_graph import capture_buckets
 from replayserve.layers.step_context import StepContext
 from replayserve.ssm.replay import ReplayBackend
-from replayserve.tiny import make_tiny
 from tests.conftest import assert_pools_full
 
 pytestmark = pytest.mark.warmup  # keeps LLM's warm-up on CUDA (tests/conftest.py turns it off elsewhere)

@@ -340,7 +340,7 @@ def test_residual_in_fp32_is_not_applied_as_in_transformers(
         assert max((a - b).abs().max().item() for a, b in zip(hf_plain, fp32_residual, strict=True)) > 1e-2
 
     ours = _last_logprobs(plain, dtype, prompts)
-    with caplog.at_level(logging.WARNING, logger="replayserve.model_config"):
+    with caplog.at_level(logging.WARNING, logger="replayserve.config.model"):
         assert _last_logprobs(flagged, dtype, prompts) == ours
     assert any("residual_in_fp32: true, which is not applied" in r.getMessage() for r in caplog.records)
     diff = _max_diff(ours, hf_plain)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from replayserve.builtin.tiny import make_tiny
 from replayserve.models.loader import load_model
-from replayserve.tiny import make_tiny
 
 
 @pytest.mark.parametrize("mtp_layers", [("full_attention", "moe"), ("mlp", "full_attention"), ("moe", "mlp")])

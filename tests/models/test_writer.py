@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from replayserve.builtin.tiny import make_tiny
 from replayserve.models.loader import load_model
 from replayserve.models.writer import INDEX, save_model
-from replayserve.tiny import make_tiny
 
 CPU = torch.device("cpu")
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from replayserve.builtin.tiny import tiny_config
 from replayserve.layers.mlp import MoE
 from replayserve.ops.activation import relu_square_ref
 from replayserve.ops.moe import fused_moe_ref, topk_route_ref
@@ -25,7 +26,6 @@ from replayserve.ops.moe_route_triton import (
     topk_route_triton,
 )
 from replayserve.ops.moe_triton import GemmConfig, default_config, fused_moe_triton
-from replayserve.tiny import tiny_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])

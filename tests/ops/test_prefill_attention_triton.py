@@ -15,12 +15,12 @@ import pytest
 import torch
 from torch import Tensor
 
+from replayserve.builtin.tiny import tiny_config
 from replayserve.config import ModelConfig
 from replayserve.layers.attention import Attention
 from replayserve.layers.step_context import StepContext
 from replayserve.ops.attention import paged_attention_ref
 from replayserve.ops.prefill_attention_triton import paged_prefill_attention_triton
-from replayserve.tiny import tiny_config
 from tests.ops.test_paged_attention_triton import make_batch
 
 CUDA = torch.cuda.is_available()

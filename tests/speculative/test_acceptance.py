@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from replayserve.engine.request import SamplingParams
 from replayserve.engine.sampler import SamplingBatch, filter_ref, sample, sample_tokens
+from replayserve.sampling_params import SamplingParams
 from replayserve.speculative.acceptance import (
     _rejection_accept_batch,
     accept_argmax,

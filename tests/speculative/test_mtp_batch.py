@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from replayserve.builtin.tiny import make_tiny
 from replayserve.models.loader import load_model
 from replayserve.models.nemotron_h import NemotronHForCausalLM
 from replayserve.speculative.mtp import HiddenStore, MTPProposer
 from replayserve.speculative.proposers import DraftRequest
-from replayserve.tiny import make_tiny
 
 STACKS = [("full_attention", "moe"), ("mlp", "full_attention"), ("full_attention", "full_attention"), ("moe", "mlp")]
 

@@ -89,8 +89,8 @@ def test_packed_prefill_equals_per_sequence_prefill(backend_cls: type, dtype: to
 def test_the_runner_plans_prefill_once_for_every_layer(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     """Every Mamba layer of a prefill step runs the one plan the runner built for the step."""
     from replayserve import LLM, SamplingParams
+    from replayserve.builtin.tiny import make_tiny
     from replayserve.ssm.backend import SSMBackend
-    from replayserve.tiny import make_tiny
 
     seen: list[object] = []
     original = SSMBackend.prefill_batch

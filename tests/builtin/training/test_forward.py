@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from replayserve import LLM, SamplingParams
+from replayserve.builtin.tiny import make_tiny
+from replayserve.builtin.training.forward import backbone_hidden, balance_experts_, losses, moe_layers, mtp_hidden
 from replayserve.models.loader import load_model
-from replayserve.tiny import make_tiny
-from replayserve.training.forward import backbone_hidden, balance_experts_, losses, moe_layers, mtp_hidden
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Typed, frozen configuration of the model, from a Hugging Face `config.json`.
 
 Every combination is validated at construction; an error names the option that is wrong and
-what is allowed. The engine's and speculation's configs are in `config.py`.
+what is allowed. The engine's and speculation's configs are in `engine.py`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from replayserve.config_checks import check_field_types, check_minimums
+from replayserve.config.checks import check_field_types, check_minimums
 
 LAYER_TYPES = ("linear_attention", "full_attention", "mlp", "moe")
 MAMBA, ATTENTION, MLP, MOE = LAYER_TYPES

@@ -1,5 +1,5 @@
 """The built-in model `replayserve/tiny-code`: a small Nemotron-H (with one MTP layer) trained on the
-Python standard library by `scripts/train_default_model.py`, shipped in `models/tiny_code/`, and
+Python standard library by `scripts/train_default_model.py`, shipped in `tiny_code_checkpoint/`, and
 the held-out checks that tie the shipped weights to the numbers its training recorded.
 
 The model directory holds, beside config.json, the shards and the tokenizer: `heldout_sample.json`
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from replayserve.llm import LLM
 
 TINY_CODE = "replayserve/tiny-code"
-TINY_CODE_DIR = Path(__file__).parent / "models" / "tiny_code"
+TINY_CODE_DIR = Path(__file__).parent / "tiny_code_checkpoint"
 BUILTIN_MODELS = {TINY_CODE: TINY_CODE_DIR}
 HELDOUT_SAMPLE = "heldout_sample.json"
 EVAL_RESULTS = "eval.json"
@@ -74,7 +74,7 @@ def perplexity_windows(llm: LLM, texts: Sequence[str], num_files: int, tokens: i
 def heldout_perplexity(llm: LLM, windows: Sequence[Sequence[int]]) -> float:
     """exp(mean negative log-likelihood) of every token after the first of each window, from the
     engine's own prompt log-probabilities."""
-    from replayserve.engine.request import SamplingParams
+    from replayserve.sampling_params import SamplingParams
 
     outs = llm.generate([{"prompt_token_ids": list(w)} for w in windows],
                         SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)

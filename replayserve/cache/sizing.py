@@ -18,7 +18,7 @@ and the other one takes the rest. On the CPU nothing is measured: the defaults o
 stay (enough KV blocks for `max_num_seqs` full sequences, `max_num_seqs` cached states) and
 `gpu_memory_utilization` is not used.
 
-Byte counts come from `cache_memory` (what the runner allocates); the activation reserve is an
+Byte counts come from `memory.py` (what the runner allocates); the activation reserve is an
 estimate from the shapes, not a profile: if a step runs out of memory, lower
 `gpu_memory_utilization` or `max_num_batched_tokens`.
 """
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from replayserve.cache_memory import cache_bytes_for
+from replayserve.cache.memory import cache_bytes_for
 from replayserve.config import ConfigError, EngineConfig
 from replayserve.engine.prompt_logprobs import SCORE_ROWS
 from replayserve.ops.attention import prefill_kernel_head_dim

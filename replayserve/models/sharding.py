@@ -19,16 +19,16 @@ import torch
 from torch import nn
 
 from replayserve.config import ModelConfig
-from replayserve.distributed.layers import (
+from replayserve.layers.attention import Attention
+from replayserve.layers.mamba2 import Mamba2Mixer
+from replayserve.layers.mlp import MLP, MoE
+from replayserve.layers.tensor_parallel import (
     ParallelLMHead,
     ShardedGatedRMSNorm,
     VocabParallelEmbedding,
     all_reduce_output,
     vocab_rows,
 )
-from replayserve.layers.attention import Attention
-from replayserve.layers.mamba2 import Mamba2Mixer
-from replayserve.layers.mlp import MLP, MoE
 from replayserve.models.nemotron_h import NemotronHForCausalLM
 from replayserve.ssm.layout import MambaShard
 

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from replayserve import LLM, cache_sizing
-from replayserve.cache_memory import cache_bytes
-from replayserve.cache_sizing import CachePlan, activation_reserve, plan_cache_sizes, size_caches
+from replayserve import LLM
+from replayserve.cache import sizing as cache_sizing
+from replayserve.cache.memory import cache_bytes
+from replayserve.cache.sizing import CachePlan, activation_reserve, plan_cache_sizes, size_caches
 from replayserve.config import ConfigError, EngineConfig, ModelConfig
 from replayserve.engine.engine import Engine
 from replayserve.models.loader import load_model
@@ -177,7 +178,7 @@ def test_on_cpu_the_defaults_stay(tiny_model_dir: Path) -> None:
 def test_an_engine_built_directly_checks_the_default_sizes(model: ModelConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     """Benchmarks build an Engine from a CUDA config without LLM's sizing: the defaults apply and
     must fit (checked before anything is allocated)."""
-    from replayserve import cache_memory
+    from replayserve.cache import memory as cache_memory
 
     config = dataclasses.replace(_config(model), device="cuda")
     needed = sum(cache_bytes(config, torch.float32))

@@ -1,5 +1,5 @@
 """Typed, frozen configuration of the engine and of speculative decoding; the model's is in
-`model_config.py` (re-exported here, where callers import all three).
+`model.py` (the package re-exports all three).
 
 Every combination is validated at construction; an error names the option that is wrong and
 what is allowed.
@@ -14,25 +14,17 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from replayserve.config_checks import check_field_types, check_minimums
-from replayserve.model_config import (
-    ATTENTION,
+from replayserve.config.checks import check_field_types, check_minimums
+from replayserve.config.model import (
     DEVICES,
     DTYPES,
-    MAMBA,
     MAMBA_CACHE_MODES,
     MAX_REPLAY_WINDOW,
-    MLP,
-    MOE,
-    PATTERN_CHARS,
     SSM_BACKENDS,
     ConfigError,
     ModelConfig,
     tensor_parallel_error,
 )
-
-__all__ = ["ATTENTION", "DTYPES", "MAMBA", "MAMBA_CACHE_MODES", "MLP", "MOE", "PATTERN_CHARS", "SSM_BACKENDS",
-           "ConfigError", "EngineConfig", "ModelConfig", "SpeculativeConfig"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +83,22 @@ class SpeculativeConfig:
         return 1 + self.num_speculative_tokens
 
 
+def check_replay_window(window: int, tokens_per_step: int) -> None:
+    """Raises ConfigError naming replay_window unless ReplaySSM's window W holds a decode row's
+    `tokens_per_step` and fits the Triton step's ring. EngineConfig checks its own; a backend built
+    from a hand-made layout (tests) checks through here."""
+    if not tokens_per_step <= window <= MAX_REPLAY_WINDOW:
+        raise ConfigError(f"engine option replay_window: {window} must be in [{tokens_per_step} (tokens per step), "
+                          f"{MAX_REPLAY_WINDOW} (the kernel's limit)]")
+
+
+def check_mamba_cache_mode(mode: str) -> None:
+    """Raises ConfigError naming mamba_cache_mode unless it is one of MAMBA_CACHE_MODES. EngineConfig
+    checks its own; a scheduler built directly (tests) checks through here."""
+    if mode not in MAMBA_CACHE_MODES:
+        raise ConfigError(f"engine option mamba_cache_mode: {mode!r} is not one of {MAMBA_CACHE_MODES}")
+
+
 _ENGINE_MINIMUMS = dict.fromkeys(("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
                                   "num_kv_blocks", "replay_window", "num_mamba_cache_slots", "mamba_block_size",
                                   "tensor_parallel_size", "cpu_threads"), 1)
@@ -98,7 +106,10 @@ _ENGINE_MINIMUMS = dict.fromkeys(("max_num_seqs", "max_num_batched_tokens", "max
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine needs besides the weights; validated against the model."""
+    """Everything the engine needs besides the weights; validated against the model.
+
+    Every field but `model` is the engine option of its name (`options.py` says what it does and
+    holds LLM's default, which `resolve_options` turns into these)."""
 
     model: ModelConfig
     dtype: str = "bfloat16"
@@ -108,7 +119,7 @@ class EngineConfig:
     max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
-    # CUDA: the share of the GPU's memory the engine may use; sizes the caches not given (cache_memory.py).
+    # CUDA: the share of the GPU's memory the engine may use; sizes the caches not given (cache/sizing.py).
     gpu_memory_utilization: float = 0.9
     ssm_backend: str = "baseline"
     # ReplaySSM's window W (ring entries a checkpoint is replayed over); None: resolved_replay_window.
@@ -147,10 +158,7 @@ class EngineConfig:
         if self.ssm_backend not in SSM_BACKENDS:
             fail("ssm_backend", f"{self.ssm_backend!r} is not one of {SSM_BACKENDS}")
         if self.ssm_backend == "replay":
-            tokens_per_step = self.tokens_per_step
-            if not tokens_per_step <= self.resolved_replay_window <= MAX_REPLAY_WINDOW:
-                fail("replay_window", f"{self.resolved_replay_window} must be in [{tokens_per_step} (tokens per step), "
-                     f"{MAX_REPLAY_WINDOW} (the kernel's limit)]")
+            check_replay_window(self.resolved_replay_window, self.tokens_per_step)
             if self.dtype == "float64" and self.device.startswith("cuda"):
                 fail("dtype", "float64 with ssm_backend='replay' runs only on the CPU reference ops; "
                      "use float32, bfloat16 or float16 on CUDA")
@@ -168,8 +176,7 @@ class EngineConfig:
                        "follow launched steps; turn one of them off")
             if why is not None:
                 fail("tensor_parallel_size", why)
-        if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
-            fail("mamba_cache_mode", f"{self.mamba_cache_mode!r} is not one of {MAMBA_CACHE_MODES}")
+        check_mamba_cache_mode(self.mamba_cache_mode)
         if self.mamba_cache_mode != "none" and not self.enable_prefix_caching:
             fail("mamba_cache_mode", f"{self.mamba_cache_mode!r} keeps Mamba states for prefix hits and needs "
                  "enable_prefix_caching=True")
@@ -200,7 +207,7 @@ class EngineConfig:
         """Raises ConfigError naming num_kv_blocks when the caches of these sizes (defaults for the
         unset ones) would not fit in the device's free memory."""
         # Imported here: the Mamba state shapes come from ssm/layout, which imports this module.
-        from replayserve.cache_memory import cache_fit_error
+        from replayserve.cache.memory import cache_fit_error
 
         if (why := cache_fit_error(self)) is not None:
             raise ConfigError(f"engine option num_kv_blocks: {why}")
@@ -208,7 +215,7 @@ class EngineConfig:
     @property
     def sized_by_memory(self) -> bool:
         """On CUDA, `LLM` sizes the KV blocks and cached Mamba states not given from the memory free
-        once the weights are loaded (`cache_sizing.size_caches`). An `Engine` built from such a
+        once the weights are loaded (`cache/sizing.py`). An `Engine` built from such a
         config directly (benchmarks) takes the defaults, checked against free memory then."""
         return self.device.startswith("cuda") and (
             self.num_kv_blocks is None or (self.mamba_cache_mode != "none" and self.num_mamba_cache_slots is None))

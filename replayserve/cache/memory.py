@@ -26,13 +26,13 @@ def cache_bytes(config: EngineConfig, dtype: torch.dtype) -> tuple[int, int]:
 def cache_bytes_for(config: EngineConfig, dtype: torch.dtype, num_kv_blocks: int,
                     num_cached_states: int, per_rank: bool = False) -> tuple[int, int]:
     """`cache_bytes` with `num_kv_blocks` KV blocks and `num_cached_states` boundary-state slots
-    instead of the config's (`cache_sizing` prices candidate sizes with it). per_rank: the caches
+    instead of the config's (`sizing.py` prices candidate sizes with it). per_rank: the caches
     of one tensor-parallel rank, which holds its slice's KV heads and Mamba heads (every rank's
     slice has the same shapes) on its own GPU; else the whole model's, which the ranks of one
     host hold between them."""
     m = config.model
     if per_rank and config.tensor_parallel_size > 1:
-        from replayserve.distributed.sharding import local_model_config
+        from replayserve.models.sharding import local_model_config
 
         m = local_model_config(m, 0, config.tensor_parallel_size)
     # One KV block and one state slot more than the pools hand out: the runner's pad block and pad

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from replayserve import LLM, SamplingParams
-from replayserve.config import ModelConfig
-from replayserve.tiny_code import (
+from replayserve.builtin.tiny_code import (
     CODE_CHAT_TEMPLATE,
     TINY_CODE,
     TINY_CODE_DIR,
@@ -27,6 +26,7 @@ from replayserve.tiny_code import (
     perplexity_windows,
     resolve_model,
 )
+from replayserve.config import ModelConfig
 
 # The least share of held-out function headers whose greedy body must be Python, for the weights
 # shipped now (H200-trained, eval.json: 43 of 64), less a flip or two of a near-tie on another CPU.
@@ -102,7 +102,7 @@ def test_transformers_reads_the_shipped_checkpoint_to_the_same_logprobs(llm: LLM
 
 
 def _readme_python_block(containing: str) -> str:
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
     return next(block for block in readme.split("```python\n")[1:] if containing in block.split("```")[0])
 
 

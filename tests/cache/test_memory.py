@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from replayserve import LLM, cache_memory
-from replayserve.cache_memory import available_bytes, cache_bytes
+from replayserve import LLM
+from replayserve.builtin.tiny import tiny_config
+from replayserve.cache import memory as cache_memory
+from replayserve.cache.memory import available_bytes, cache_bytes
 from replayserve.config import ConfigError, EngineConfig
-from replayserve.tiny import tiny_config
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 2}
 
