@@ -1,7 +1,7 @@
 """The projections' linear op: one half-precision row on the GPU runs the Triton GEMV of
 ``gemv_triton`` (faster than cuBLAS's split-K kernels there, 2.6-4.1 against 2.2-3.1 TB/s);
 every other input, and anything that needs autograd, is ``F.linear``. Four rows already lose
-(the kernel rereads W per row), so it takes one."""
+(the kernel rereads W per row), so it takes one. ``gemv_ref`` is the kernel's reference."""
 
 from __future__ import annotations
 
@@ -10,8 +10,19 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from replayserve.ops.dispatch import use_triton
+from replayserve.ops.dtypes import compute_dtype
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)  # float32 and float64 models never take the kernel
+
+
+def gemv_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x: (1, K); weight: (N, K); bias: (N,) or None. Returns (1, N) in x.dtype, computed in
+    ``compute_dtype`` (fp32 for half inputs)."""
+    wide = compute_dtype(x.dtype)
+    y = x.to(wide) @ weight.to(wide).t()
+    if bias is not None:
+        y = y + bias.to(wide)
+    return y.to(x.dtype)
 
 
 def gemv_serves(x: Tensor, weight: Tensor) -> bool:

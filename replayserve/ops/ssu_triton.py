@@ -1,4 +1,4 @@
-"""Triton Mamba2 decode step (baseline): matches ``replayserve.ops.ssd.selective_state_update_ref``.
+"""Triton Mamba2 decode step (baseline): matches ``replayserve.ops.ssu.selective_state_update_ref``.
 
 One program per (P-block, head, row) loads its (BLOCK_P, N) state tile, applies
 ``S = exp(delta*A) * S + delta * x B^T`` in fp32, writes the tile back in the state dtype and
