@@ -26,7 +26,7 @@ from torch import Tensor
 
 from replayserve.ops.dispatch import use_triton
 from replayserve.ops.dtypes import compute_dtype
-from replayserve.ops.ssd import process_dt
+from replayserve.ops.time_step import process_dt
 
 
 def ring_index(start: int, j: int, ring_len: int) -> int:

@@ -11,7 +11,8 @@ from torch import Tensor
 
 from replayserve.ops.dispatch import use_triton
 from replayserve.ops.dtypes import compute_dtype
-from replayserve.ops.ssd import heads_per_group, process_dt
+from replayserve.ops.ssd import heads_per_group
+from replayserve.ops.time_step import process_dt
 
 
 def selective_state_update_ref(
