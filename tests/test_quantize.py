@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from replayserve.builtin.tiny import make_tiny, tiny_config
 from replayserve.config import ModelConfig
 from replayserve.models.loader import load_model
 from replayserve.models.nemotron_h import NemotronHForCausalLM
@@ -22,7 +23,6 @@ from replayserve.models.quantization import (
 from replayserve.models.writer import save_model
 from replayserve.ops.fp8 import FP8_DTYPE, quantize_fp8_per_tensor
 from replayserve.quantize import main, nemotron_h_default_excludes, quantize_checkpoint
-from replayserve.tiny import make_tiny, tiny_config
 
 FIXTURE = Path(__file__).parent / "models" / "fixtures" / "modelopt_fp8"
 
