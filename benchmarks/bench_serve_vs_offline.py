@@ -174,29 +174,43 @@ def _tail(path: Path, lines: int = 30) -> str:
 
 
 def server_wave(url: str, wave: Wave, timeout: float) -> dict[str, Any]:
-    """The wave's summary, with the mean TTFT as the client saw it and as the server measured it (its
-    histogram: from a request's arrival at the front end to its first token there), which tells the
-    server's part of a TTFT from the load generator's own lag."""
-    before = _server_ttft(url)
+    """The wave's summary, with the mean TTFT as the client saw it, as the front end measured it (its
+    histogram: from a request's arrival there to its first token there) and as the engine core measured
+    it (queued in the core to the step that produced it), and the engine steps the wave took: these
+    tell the core's part of a TTFT from the transport's and from the load generator's own lag."""
+    before = _server_counters(url)
     results, duration = asyncio.run(drive(url, wave.workload, wave.rate, wave.in_flight, timeout=timeout,
                                           seed=wave.seed))
-    after = _server_ttft(url)
+    after = _server_counters(url)
+    delta = {k: after[k] - before[k] for k in after}
     ok = [r.ttft for r in results if r.ok]
-    count = after[1] - before[1]
     return {**summarize(results, duration), "errors": sorted({r.error for r in results if not r.ok}),
             "ttft_mean_ms": 1000 * sum(ok) / len(ok) if ok else math.nan,
-            "server_side_ttft_mean_ms": 1000 * (after[0] - before[0]) / count if count else math.nan}
+            "server_side_ttft_mean_ms": _mean_ms(delta["ttft_sum"], delta["ttft_count"]),
+            "core_ttft_mean_ms": _mean_ms(delta["core_ttft_sum"], delta["core_ttft_count"]),
+            "engine_steps": delta["steps"]}
 
 
-def _server_ttft(url: str) -> tuple[float, float]:
-    """(sum in seconds, count) of the server's time-to-first-token histogram."""
+def _mean_ms(total_s: float, count: float) -> float:
+    return 1000 * total_s / count if count else math.nan
+
+
+# The /metrics samples a wave's diagnostics are drawn from (differences before and after it).
+_COUNTERS = {"ttft_sum": "replayserve_time_to_first_token_seconds_sum",
+             "ttft_count": "replayserve_time_to_first_token_seconds_count",
+             "core_ttft_sum": "replayserve_core_time_to_first_token_seconds_total",
+             "core_ttft_count": "replayserve_core_time_to_first_token_requests_total",
+             "steps": "replayserve_engine_steps_total"}
+
+
+def _server_counters(url: str) -> dict[str, float]:
     with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
         text = response.read().decode()
     values = {}
-    for suffix in ("sum", "count"):
-        found = re.search(rf"^replayserve_time_to_first_token_seconds_{suffix}\{{[^}}]*\}} (\S+)$", text, re.M)
-        values[suffix] = float(found.group(1)) if found else math.nan
-    return values["sum"], values["count"]
+    for key, name in _COUNTERS.items():
+        found = re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M)
+        values[key] = float(found.group(1)) if found else math.nan
+    return values
 
 
 def run_offline(model_dir: str, options: dict[str, Any], warmups: list[Wave], waves: list[Wave]) -> list[dict]:
@@ -207,11 +221,13 @@ def run_offline(model_dir: str, options: dict[str, Any], warmups: list[Wave], wa
             offline_wave(llm.engine, wave.workload, wave.arrivals, wave.in_flight)
         rows = []
         for wave in waves:
+            steps = llm.engine.num_steps
             results, duration, most = offline_wave(llm.engine, wave.workload, wave.arrivals, wave.in_flight)
             ok = [r.ttft for r in results if r.ok]
             rows.append({**summarize(results, duration), "most_in_flight": most,
                          "errors": sorted({r.error for r in results if not r.ok}),
-                         "ttft_mean_ms": 1000 * sum(ok) / len(ok) if ok else math.nan})
+                         "ttft_mean_ms": 1000 * sum(ok) / len(ok) if ok else math.nan,
+                         "engine_steps": llm.engine.num_steps - steps})
         return rows
     finally:
         llm.close()
@@ -338,12 +354,15 @@ def print_report(result: dict[str, Any]) -> None:
               f"| {_ratio(s['output_tok_s'], o['output_tok_s']):.0%} | {s_ttft:.0f} | {o_ttft:.0f} "
               f"| {_ratio(s_ttft, o_ttft):.2f}x "
               f"| {s.get('itl_p50_ms', math.nan):.1f} / {o.get('itl_p50_ms', math.nan):.1f} | {s['failed']} |")
-    print("\nTTFT means, ms (client: as the load generator saw it; server side: the server's histogram, "
-          "arrival at the front end to the first token there):")
+    print("\nTTFT means, ms (client: as the load generator saw it; front end: the server's histogram, arrival "
+          "there to the first token there; core: queued in the engine core to the step that produced it), "
+          "and the engine steps each wave took:")
     for row in result["rows"]:
         s, o = row["server"], row["offline"]
-        print(f"  {row['name']}: client {s.get('ttft_mean_ms', math.nan):.0f}, server side "
-              f"{s.get('server_side_ttft_mean_ms', math.nan):.0f}, offline {o.get('ttft_mean_ms', math.nan):.0f}")
+        print(f"  {row['name']}: client {s.get('ttft_mean_ms', math.nan):.0f}, front end "
+              f"{s.get('server_side_ttft_mean_ms', math.nan):.0f}, core {s.get('core_ttft_mean_ms', math.nan):.0f}, "
+              f"offline {o.get('ttft_mean_ms', math.nan):.0f}; steps server {s.get('engine_steps', math.nan):.0f}, "
+              f"offline {o.get('engine_steps', math.nan):.0f}")
     runs = result["runs"]
     rates = [r["output_tok_s"] for r in runs["server"]]
     print(f"\n{len(rates)} server run(s) of {runs['requests']} requests at {runs['in_flight']} in flight: "

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from replayserve.ops import replay_ssm as rref  # noqa: E402
 from replayserve.ops import replay_ssm_triton as rtk  # noqa: E402
 from replayserve.ops import ssu_triton  # noqa: E402
-from replayserve.ops.ssd import selective_state_update_ref  # noqa: E402
+from replayserve.ops.ssu import selective_state_update_ref  # noqa: E402
 
 H, P, N, G = 128, 64, 128, 8
 ACT, STATE = torch.bfloat16, torch.float32

@@ -1,7 +1,7 @@
 """The composition root: the one place an engine is built, from options to running parts.
 
-    options -> EngineConfig               resolved (device, dtype, Mamba cache mode), frozen, validated
-                                          from its values alone; the model's family from the registry
+    options -> EngineConfig               resolved (`config/options.py`), frozen, validated from its
+                                          values alone; the model's family from the registry
             -> caches that are given      checked against free memory, before anything loads
             -> tensor-parallel workers    started: they load their slices while this rank loads its own
             -> the model                  the family's class, loaded (rank 0's slice with workers)
@@ -18,7 +18,7 @@ process or probes memory for a config.
 from __future__ import annotations
 
 import dataclasses
-import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -27,7 +27,7 @@ from torch import nn
 
 from replayserve.cache.memory import check_cache_fit
 from replayserve.cache.sizing import size_caches
-from replayserve.config import EngineConfig, ModelConfig, SpeculativeConfig
+from replayserve.config import ENGINE_OPTIONS, EngineConfig, ModelConfig, resolve_options
 from replayserve.config.builtin_models import resolve_model
 from replayserve.cpu_threads import ThreadChoice, apply_cpu_threads, choose_cpu_threads
 from replayserve.distributed.group import Workers
@@ -40,8 +40,6 @@ from replayserve.speculative.draft import draft_engine_config, draft_memory_byte
 from replayserve.speculative.factory import hidden_store_for, make_proposer
 from replayserve.speculative.proposers import Proposer
 from replayserve.tokenizer import Tokenizer
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -61,39 +59,18 @@ class BuiltEngine:
             self.workers.close()
 
 
-def resolve_config(model_dir: str, dtype: str = "auto", device: str | None = None,
-                   mamba_cache_mode: str | None = None, speculative: dict | None = None,
-                   **options: Any) -> EngineConfig:
-    """The `EngineConfig` of `LLM`'s options (its docstring) for the model in `model_dir`: device
-    None -> CUDA when torch sees one, else the CPU; dtype "auto" -> bfloat16 on CUDA, float32 on the
-    CPU; mamba_cache_mode None -> "align" with prefix caching on a model with Mamba layers (logged),
-    else "none"; speculative, a dict -> `SpeculativeConfig`. The other options are the config's fields.
+def build_engine(model: str, options: Mapping[str, Any]) -> BuiltEngine:
+    """Builds the engine of `model` (a model directory or a built-in name) with `LLM`'s engine
+    options (`config/options.py`; those not given take their defaults), in the order of the module
+    docstring. On failure nothing is left running.
 
     Raises:
         ConfigError naming the option at fault, or the model_type no family in the registry runs.
     """
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    model_dir = resolve_model(model)
     model_config = ModelConfig.from_dir(model_dir)
     family_of(model_config)  # a checkpoint no family runs is refused before anything loads
-    if mamba_cache_mode is None:
-        hybrid = options.get("enable_prefix_caching", False) and model_config.num_mamba_layers > 0
-        mamba_cache_mode = "align" if hybrid else "none"
-        if hybrid:
-            logger.info("prefix caching: mamba_cache_mode='align' (the model has Mamba layers; 'none' would never hit)")
-    return EngineConfig(model=model_config, dtype=dtype, device=device, mamba_cache_mode=mamba_cache_mode,
-                        speculative=None if speculative is None else SpeculativeConfig.from_dict(speculative),
-                        **options)
-
-
-def build_engine(model: str, warmup: bool = True, **options: Any) -> BuiltEngine:
-    """Builds the engine of `model` (a model directory or a built-in name) with `LLM`'s engine
-    options (`resolve_config`), in the order of the module docstring. warmup: on CUDA, compile and
-    capture what serving runs before returning (`Engine.warm_up`). On failure nothing is left
-    running."""
-    model_dir = resolve_model(model)
-    config = resolve_config(model_dir, **options)
+    config = EngineConfig(model=model_config, **resolve_options(options, model_config, torch.cuda.is_available()))
     if not config.sized_by_memory:
         check_cache_fit(config)
     cpu_threads = None
@@ -107,6 +84,7 @@ def build_engine(model: str, warmup: bool = True, **options: Any) -> BuiltEngine
     workers = None
     if config.tensor_parallel_size > 1:
         workers = Workers.start(config, model_dir)  # they load their slices while this rank loads its own
+    warmup = options.get("warmup", ENGINE_OPTIONS["warmup"].default)
     try:
         net = load_model(model_dir, getattr(torch, config.dtype), torch.device(config.device), 0,
                          config.tensor_parallel_size)

@@ -8,11 +8,12 @@ import json
 import logging
 import os
 import sys
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from replayserve.config import DTYPES, MAMBA_CACHE_MODES, SSM_BACKENDS
+from replayserve.config import ENGINE_OPTIONS
 from replayserve.config.builtin_models import BUILTIN_MODELS, TINY_CODE, resolve_model
 
 if TYPE_CHECKING:
@@ -47,61 +48,40 @@ class _SubcommandParser(_Parser):
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
-    """The options of `LLM(...)`, shared by every command that builds an engine."""
+    """The options of `LLM(...)` but the LLM-only ones, from their table (`config/options.py`),
+    shared by every command that builds an engine."""
     g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
-                   help="weights and activations; auto: bfloat16 on CUDA, float32 on CPU (default %(default)s)")
-    g.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when torch sees a GPU, else cpu")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together (default %(default)s)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="tokens per step: prefill chunks plus decode rows (default %(default)s)")
-    g.add_argument("--max-model-len", type=int, help="prompt plus output tokens (default: the model's limit)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
-    g.add_argument("--num-kv-blocks", type=int,
-                   help="KV blocks (default: on CUDA sized by --gpu-memory-utilization, on CPU enough for "
-                        "max-num-seqs full sequences)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="CUDA: the share of the GPU's memory this engine may use; KV blocks and cached Mamba "
-                        "states not given fill what the weights and activations leave (default %(default)s)")
-    g.add_argument("--ssm-backend", default="baseline", choices=SSM_BACKENDS,
-                   help="Mamba decode: baseline (state every step) or replay (ReplaySSM) (default %(default)s)")
-    g.add_argument("--replay-window", type=int, default=None,
-                   help="ReplaySSM window (default 32, or 16 with --speculative)")
-    g.add_argument("--enable-prefix-caching", action="store_true", help="reuse cached prompt prefixes")
-    g.add_argument("--mamba-cache-mode", choices=MAMBA_CACHE_MODES,
-                   help="which Mamba states prefix caching keeps (default: align for Mamba models)")
-    g.add_argument("--num-mamba-cache-slots", type=int, help="cached Mamba states (default max-num-seqs)")
-    g.add_argument("--mamba-block-size", type=int, help="tokens between cached Mamba states")
-    g.add_argument("--speculative", metavar="JSON",
-                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
-    g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
-    g.add_argument("--async-scheduling", action="store_true",
-                   help="plan and launch the next plain decode step while the device runs this one "
-                        "(not with --speculative or --tensor-parallel-size)")
-    g.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="processes (GPUs on CUDA) the model is split over; this one runs the engine and starts "
-                        "the others (default %(default)s)")
-    g.add_argument("--threads", dest="cpu_threads", type=int,
-                   help="CPU: torch's intra-op threads (per rank); default: OMP_NUM_THREADS when set, else the "
-                        "cores idle at start-up, at least 1 (torch's one per core collapses on a busy machine)")
+    for option in ENGINE_OPTIONS.values():
+        if option.llm_only:
+            continue
+        if option.type is bool:  # every such flag turns on what is off by default
+            g.add_argument(option.cli_flag, dest=option.name, action="store_true", help=option.help)
+            continue
+        # An option whose default is None says in its help what it then is.
+        help_text = option.help if option.default is None else f"{option.help} (default %(default)s)"
+        g.add_argument(option.cli_flag, dest=option.name, type=_flag_type(option.type), default=option.default,
+                       choices=option.choices, metavar=option.metavar, help=help_text)
+
+
+def _flag_type(hint: Any) -> type | None:
+    """What argparse converts a flag's text to: an int or a float; text stays text (a JSON object
+    is parsed by `engine_options`, which can say what is wrong with it)."""
+    given = [t for t in typing.get_args(hint) or (hint,) if t is not type(None)]
+    return given[0] if given[0] in (int, float) else None
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """LLM keyword arguments from the parsed engine options."""
-    speculative = None
+    options = {name: getattr(args, name) for name, option in ENGINE_OPTIONS.items() if not option.llm_only}
     if args.speculative is not None:
         try:
-            speculative = json.loads(args.speculative)
+            options["speculative"] = json.loads(args.speculative)
         except json.JSONDecodeError as e:
             raise UserError(f"--speculative is not valid JSON ({e.msg}); e.g. "
                             '\'{"method": "ngram", "num_speculative_tokens": 3}\'') from e
-        if not isinstance(speculative, dict):
+        if not isinstance(options["speculative"], dict):
             raise UserError("--speculative must be a JSON object")
-    names = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-             "num_kv_blocks", "gpu_memory_utilization", "ssm_backend", "replay_window", "enable_prefix_caching",
-             "mamba_cache_mode", "num_mamba_cache_slots", "mamba_block_size", "enforce_eager",
-             "async_scheduling", "tensor_parallel_size", "cpu_threads")
-    return {**{n: getattr(args, n) for n in names}, "speculative": speculative}
+    return options
 
 
 def _add_model_option(p: argparse.ArgumentParser) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -12,57 +11,68 @@ from tqdm import tqdm
 
 from replayserve.build import build_engine
 from replayserve.chat import ChatTemplate, Message, encode_rendered
+from replayserve.config import ENGINE_OPTIONS
 from replayserve.engine.request import Request
 from replayserve.outputs import CompletionOutput, RequestOutput, to_logprobs
 from replayserve.sampling_params import SamplingParams
 from replayserve.tokenizer import Tokenizer, check_unicode
 
-logger = logging.getLogger(__name__)
-
 Prompt = str | dict[str, Any]
 # The prompt forms `generate` takes, as vLLM spells them (a string, TextPrompt, TokensPrompt).
 PROMPT_FORMS = "a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}"
-
 
 class LLM:
     """A loaded model and its engine.
 
     model: a Hugging Face model directory, or the built-in "replayserve/tiny-code" (a small
     Nemotron-H with an MTP layer trained on the Python standard library, shipped with the package).
-    dtype: "auto" (bfloat16 on CUDA, float32 on CPU) or one of float32/float64/bfloat16/float16.
-    ssm_backend: "baseline" (state read and written every decode step) or "replay" (ReplaySSM:
-    checkpoint + rings of the last `replay_window` tokens' inputs, state written on flush; the
-    window defaults to 32, or 16 with speculative decoding).
+
+    Engine options, each also a flag of `replayserve generate | serve | demo` but warmup (declared
+    once in `replayserve/config/options.py`; a test holds these lines equal to it):
+    dtype: weights and activations; auto: bfloat16 on CUDA, float32 on CPU.
+    device: where the model runs (default: cuda when torch sees a GPU, else cpu).
+    max_num_seqs: requests decoded together.
+    max_num_batched_tokens: tokens per step: prefill chunks plus decode rows.
+    max_model_len: prompt plus output tokens (default: the model's limit, max_position_embeddings in
+    config.json).
+    block_size: tokens per KV block.
+    num_kv_blocks: KV blocks (default: on CUDA sized by gpu_memory_utilization, on CPU enough for
+    max_num_seqs full sequences).
+    gpu_memory_utilization: on CUDA, the share of the GPU's memory, in (0, 1], this engine may use: KV
+    blocks and cached Mamba states that are not given fill what the weights and an activation reserve
+    leave (the numbers are logged); on CPU the defaults stay.
+    ssm_backend: Mamba decode: baseline (the state read and written every step) or replay (ReplaySSM: a
+    checkpoint plus rings of the last replay_window tokens' inputs, the state written on a flush).
+    replay_window: ReplaySSM's window: tokens between flushes, from tokens per step (1 + speculative
+    tokens) to 64 (default 32, or 16 with speculative decoding).
     enable_prefix_caching: reuse the KV blocks and Mamba states of cached prompt prefixes.
-    mamba_cache_mode: which Mamba states are kept for prefix hits: "none" (none, so a hybrid
-    model never hits), "align" (where a step ends on a block boundary; prefill chunks end on
-    them) or "all" (at every block boundary); needs enable_prefix_caching. Left out (None), it
-    is "align" when prefix caching is on and the model has Mamba layers (logged), else "none".
-    num_mamba_cache_slots: state slots for cached boundary states (default max_num_seqs).
-    mamba_block_size: tokens between cached Mamba states, a multiple of block_size (default
-    lcm(block_size, the model's SSD chunk size)); prefix hits are multiples of it.
-    speculative: {"method": "ngram" | "custom", "num_speculative_tokens": k, ...} (see
-    `SpeculativeConfig`): decode rows verify up to k proposed tokens per step, losslessly.
-    gpu_memory_utilization: on CUDA, the share of the GPU's memory (0, 1] this engine may use: KV
-    blocks and cached Mamba states that are not given fill what the weights and an activation
-    reserve leave (`cache/sizing.py`; the numbers are logged). On CPU the defaults stay.
-    enforce_eager: on CUDA, run decode steps eagerly instead of replaying a CUDA graph per padded
-    batch size (1, 2, 4, 8, multiples of 16 up to max_num_seqs; captured at start by the warm-up).
-    async_scheduling: overlap the host with the device: while plain decode step N runs, the next
-    step is planned and launched, its input tokens taken from step N's on the device; outputs are
-    the same as without it. Steps with prefill chunks, Mamba boundary states (prefix caching) or
-    penalties / min_tokens run synchronously; speculative decoding is refused with it.
-    tensor_parallel_size: processes the model is split over (heads, inner dimensions, vocabulary;
-    `distributed/`): this one (rank 0) runs the engine and the others, started here, run their
-    slices of each step; gloo on the CPU, NCCL on CUDA (one GPU per rank). `close()` stops them.
+    mamba_cache_mode: which Mamba states prefix caching keeps: none (so a hybrid model never hits),
+    align (where a step ends on a block boundary; prefill chunks end on them) or all (at every block
+    boundary); needs enable_prefix_caching (default: align when prefix caching is on and the model has
+    Mamba layers, logged, else none).
+    num_mamba_cache_slots: state slots for cached Mamba states (default: max_num_seqs).
+    mamba_block_size: tokens between cached Mamba states, a multiple of block_size; prefix hits are
+    multiples of it (default: lcm(block_size, the model's SSD chunk size)).
+    speculative: speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 3}; methods
+    ngram, draft (with "model": a draft checkpoint) and mtp, further keys those of SpeculativeConfig:
+    decode rows verify up to num_speculative_tokens proposed tokens per step, losslessly.
+    enforce_eager: on CUDA, run decode steps eagerly instead of replaying a CUDA graph per padded batch
+    size (1, 2, 4, 8, multiples of 16 up to max_num_seqs; captured at start by the warm-up).
+    async_scheduling: plan and launch the next plain decode step while the device runs this one, its
+    input tokens taken from this step's on the device; outputs are the same. Steps with prefill chunks,
+    Mamba boundary states (prefix caching) or penalties / min_tokens run synchronously; not with
+    speculative decoding or tensor parallelism.
+    tensor_parallel_size: processes (GPUs on CUDA) the model is split over (heads, inner dimensions,
+    vocabulary): this one (rank 0) runs the engine and starts the others, which run their slices of each
+    step; gloo on the CPU, NCCL on CUDA (one GPU per rank). `close()` stops them.
     cpu_threads: on the CPU, torch's intra-op threads per rank (torch's setting is process-wide);
-    left out: OMP_NUM_THREADS when set, else the cores idle at the first engine's start-up
-    (`cpu_threads.py` says why: torch's default of one thread per core collapses on a busy
-    machine). The choice is logged and kept in `llm.cpu_threads`; on CUDA it is refused.
+    default: OMP_NUM_THREADS when set, else the cores idle at the first engine's start-up, at least 1
+    (torch's one per core collapses on a busy machine; cpu_threads.py says why); the choice is logged;
+    refused on CUDA. `llm.cpu_threads` keeps the choice.
     warmup: on CUDA, before returning, compile the Triton kernels and capture the CUDA graphs that
-    serving will run, with dummy requests that leave no trace (`Engine.warm_up`; what it ran and its
-    time are logged), instead of during the first requests. The CPU compiles nothing and skips it
-    (`llm.engine.warm_up()` runs it anyway).
+    serving will run, with dummy requests that leave no trace (Engine.warm_up; what it ran and its time
+    are logged), instead of during the first requests; the CPU compiles nothing and skips it.
+    `llm.engine.warm_up()` runs it anyway.
     """
 
     def __init__(
@@ -89,15 +99,9 @@ class LLM:
         cpu_threads: int | None = None,
         warmup: bool = True,
     ) -> None:
-        built = build_engine(
-            model, warmup=warmup, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, max_model_len=max_model_len,
-            num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization, ssm_backend=ssm_backend,
-            replay_window=replay_window, enable_prefix_caching=enable_prefix_caching,
-            mamba_cache_mode=mamba_cache_mode, num_mamba_cache_slots=num_mamba_cache_slots,
-            mamba_block_size=mamba_block_size, speculative=speculative, enforce_eager=enforce_eager,
-            async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size, cpu_threads=cpu_threads,
-        )
+        # The keyword arguments but model: a test holds them to the table of engine options.
+        options = {name: value for name, value in locals().items() if name in ENGINE_OPTIONS}
+        built = build_engine(model, options)
         self.config, self.engine, self.tokenizer = built.config, built.engine, built.tokenizer
         self.workers, self.cpu_threads = built.workers, built.cpu_threads
         try:

@@ -1,15 +1,19 @@
-"""The command line: help for every option, --version, generate with engine options printing each
+"""The command line: help for every option, engine flags generated from the table of engine options
+(config/options.py) and listed in README, --version, generate with engine options printing each
 prompt and completion apart, and a table of bad invocations that each exit 2 with one line."""
 
 from __future__ import annotations
 
+import argparse
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
 import replayserve
-from replayserve.cli import SERVER_EXTRA_INSTALL, build_parser, main
+from replayserve.cli import SERVER_EXTRA_INSTALL, build_parser, engine_options, main
+from replayserve.config import ENGINE_OPTIONS, EngineOption
 
 README = Path(__file__).parents[1] / "README.md"
 
@@ -31,6 +35,53 @@ def test_every_option_has_help() -> None:
         for action in sub._actions:
             if action.dest != "help":
                 assert action.help, f"{name} {action.option_strings or action.dest} has no help"
+
+
+CLI_OPTIONS = [o for o in ENGINE_OPTIONS.values() if not o.llm_only]
+
+
+def _sub_parser(name: str) -> argparse.ArgumentParser:
+    return next(a for a in build_parser()._actions if a.dest == "command").choices[name]
+
+
+@pytest.mark.parametrize("command", ["demo", "generate", "serve"])
+def test_help_gives_every_engine_flag_its_options_help(command: str) -> None:
+    text = " ".join(_sub_parser(command).format_help().split())
+    for option in CLI_OPTIONS:
+        assert f"{option.cli_flag} " in text and " ".join(option.help.split()) in text, option.name
+    assert "--warmup" not in text
+
+
+def test_engine_flags_default_to_the_options_defaults() -> None:
+    assert engine_options(build_parser().parse_args(["serve"])) == {o.name: o.default for o in CLI_OPTIONS}
+
+
+def _flag_value(option: EngineOption) -> tuple[list[str], object]:
+    """The flag's words setting `option` to a value other than its default, and that value."""
+    if option.type is bool:
+        return [option.cli_flag], True
+    if option.choices:
+        return [option.cli_flag, option.choices[-1]], option.choices[-1]
+    if option.name == "speculative":
+        return [option.cli_flag, '{"method": "ngram", "num_speculative_tokens": 2}'], {
+            "method": "ngram", "num_speculative_tokens": 2}
+    value = 0.5 if option.type is float else 3
+    return [option.cli_flag, str(value)], value
+
+
+@pytest.mark.parametrize("option", CLI_OPTIONS, ids=lambda o: o.name)
+def test_each_engine_flag_sets_its_option(option: EngineOption) -> None:
+    words, value = _flag_value(option)
+    assert value != option.default
+    options = engine_options(build_parser().parse_args(["generate", "--prompt", "x", *words]))
+    assert options == {**{o.name: o.default for o in CLI_OPTIONS}, option.name: value}
+
+
+def test_readme_lists_every_engine_flag() -> None:
+    text = README.read_text()
+    start = text.index(":", text.index("Engine options (`--help` explains each):"))
+    listed = text[start:text.index(".", start)]  # the list is one sentence
+    assert re.findall(r"`(--[a-z-]+)", listed) == [o.cli_flag for o in CLI_OPTIONS]
 
 
 def test_version(capsys: pytest.CaptureFixture) -> None:
@@ -118,6 +169,8 @@ def test_make_tiny_refuses_a_non_empty_directory(tmp_path: Path, capsys: pytest.
     (["serve", "--frobnicate"], "(see replayserve serve --help)"),
     (["generate", "--model", "{model}", "--prompt", "x", "--dtype", "int8"], "invalid choice"),
     (["generate", "--model", "{model}", "--prompt", "x", "--speculative", "{oops"], "not valid JSON"),
+    (["generate", "--model", "{model}", "--prompt", "x", "--speculative", "[3]"],
+     "--speculative must be a JSON object"),
     (["generate", "--model", "{model}", "--prompt", "x", "--speculative", '{"method": "eagle", '
       '"num_speculative_tokens": 2}'], "method"),
     (["generate", "--model", "{model}", "--prompt", "x", "--async-scheduling", "--device", "cpu", "--speculative",

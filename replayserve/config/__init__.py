@@ -1,6 +1,7 @@
 """Typed, frozen configuration: the model's (`model.py`, from `config.json`), the engine's and
-speculative decoding's (`engine.py`), and the annotation-driven field checks they share
-(`checks.py`). Callers import all of them from here."""
+speculative decoding's (`engine.py`), the table of engine options that `LLM` and the command line
+follow (`options.py`), and the annotation-driven field checks they share (`checks.py`). Callers
+import all of them from here."""
 
 from replayserve.config.engine import (
     ALLOW_LONG_MAX_MODEL_LEN,
@@ -8,6 +9,8 @@ from replayserve.config.engine import (
     SPEC_METHODS,
     EngineConfig,
     SpeculativeConfig,
+    check_mamba_cache_mode,
+    check_replay_window,
 )
 from replayserve.config.model import (
     ATTENTION,
@@ -25,7 +28,10 @@ from replayserve.config.model import (
     ModelConfig,
     tensor_parallel_error,
 )
+from replayserve.config.options import DERIVED_FIELDS, ENGINE_OPTIONS, EngineOption, resolve_options
 
-__all__ = ["ALLOW_LONG_MAX_MODEL_LEN", "ATTENTION", "DEVICES", "DTYPES", "LAYER_TYPES", "MAMBA", "MAMBA_CACHE_MODES",
-           "MAX_REPLAY_WINDOW", "MLP", "MOE", "PATTERN_CHARS", "SCORE_ROWS", "SPEC_METHODS", "SSM_BACKENDS",
-           "ConfigError", "EngineConfig", "ModelConfig", "SpeculativeConfig", "tensor_parallel_error"]
+__all__ = ["ALLOW_LONG_MAX_MODEL_LEN", "ATTENTION", "DERIVED_FIELDS", "DEVICES", "DTYPES", "ENGINE_OPTIONS",
+           "LAYER_TYPES", "MAMBA", "MAMBA_CACHE_MODES", "MAX_REPLAY_WINDOW", "MLP", "MOE", "PATTERN_CHARS",
+           "SCORE_ROWS", "SPEC_METHODS", "SSM_BACKENDS", "ConfigError", "EngineConfig", "EngineOption", "ModelConfig",
+           "SpeculativeConfig", "check_mamba_cache_mode", "check_replay_window", "resolve_options",
+           "tensor_parallel_error"]

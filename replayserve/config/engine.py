@@ -87,6 +87,22 @@ class SpeculativeConfig:
         return 1 + self.num_speculative_tokens
 
 
+def check_replay_window(window: int, tokens_per_step: int) -> None:
+    """Raises ConfigError naming replay_window unless ReplaySSM's window W holds a decode row's
+    `tokens_per_step` and fits the Triton step's ring. EngineConfig checks its own; a backend built
+    from a hand-made layout (tests) checks through here."""
+    if not tokens_per_step <= window <= MAX_REPLAY_WINDOW:
+        raise ConfigError(f"engine option replay_window: {window} must be in [{tokens_per_step} (tokens per step), "
+                          f"{MAX_REPLAY_WINDOW} (the kernel's limit)]")
+
+
+def check_mamba_cache_mode(mode: str) -> None:
+    """Raises ConfigError naming mamba_cache_mode unless it is one of MAMBA_CACHE_MODES. EngineConfig
+    checks its own; a scheduler built directly (tests) checks through here."""
+    if mode not in MAMBA_CACHE_MODES:
+        raise ConfigError(f"engine option mamba_cache_mode: {mode!r} is not one of {MAMBA_CACHE_MODES}")
+
+
 _ENGINE_MINIMUMS = dict.fromkeys(("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
                                   "num_kv_blocks", "replay_window", "num_mamba_cache_slots", "mamba_block_size",
                                   "tensor_parallel_size", "cpu_threads"), 1)
@@ -96,7 +112,10 @@ _ENGINE_MINIMUMS = dict.fromkeys(("max_num_seqs", "max_num_batched_tokens", "max
 class EngineConfig:
     """Everything the engine needs besides the weights; validated against the model at construction.
     A pure value: whether its caches fit in the device's memory is checked where the engine is built
-    (`cache.memory.check_cache_fit`, called by `build.py`)."""
+    (`cache.memory.check_cache_fit`, called by `build.py`).
+
+    Every field but `model` is the engine option of its name (`options.py` says what it does and
+    holds LLM's default, which `resolve_options` turns into these)."""
 
     model: ModelConfig
     dtype: str = "bfloat16"
@@ -145,10 +164,7 @@ class EngineConfig:
         if self.ssm_backend not in SSM_BACKENDS:
             fail("ssm_backend", f"{self.ssm_backend!r} is not one of {SSM_BACKENDS}")
         if self.ssm_backend == "replay":
-            tokens_per_step = self.tokens_per_step
-            if not tokens_per_step <= self.resolved_replay_window <= MAX_REPLAY_WINDOW:
-                fail("replay_window", f"{self.resolved_replay_window} must be in [{tokens_per_step} (tokens per step), "
-                     f"{MAX_REPLAY_WINDOW} (the kernel's limit)]")
+            check_replay_window(self.resolved_replay_window, self.tokens_per_step)
             if self.dtype == "float64" and self.device.startswith("cuda"):
                 fail("dtype", "float64 with ssm_backend='replay' runs only on the CPU reference ops; "
                      "use float32, bfloat16 or float16 on CUDA")
@@ -166,8 +182,7 @@ class EngineConfig:
                        "follow launched steps; turn one of them off")
             if why is not None:
                 fail("tensor_parallel_size", why)
-        if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
-            fail("mamba_cache_mode", f"{self.mamba_cache_mode!r} is not one of {MAMBA_CACHE_MODES}")
+        check_mamba_cache_mode(self.mamba_cache_mode)
         if self.mamba_cache_mode != "none" and not self.enable_prefix_caching:
             fail("mamba_cache_mode", f"{self.mamba_cache_mode!r} keeps Mamba states for prefix hits and needs "
                  "enable_prefix_caching=True")

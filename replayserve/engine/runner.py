@@ -18,7 +18,7 @@ from replayserve.layers.mamba2 import Mamba2Mixer
 from replayserve.layers.mlp import MoE
 from replayserve.layers.step_context import StepContext
 from replayserve.models.nemotron_h import NemotronHForCausalLM
-from replayserve.ops.dtypes import triton_ok
+from replayserve.ops.dispatch import use_triton
 from replayserve.sampling_params import SamplingParams
 from replayserve.ssm.backend import SSMBackend
 from replayserve.ssm.baseline import BaselineBackend
@@ -79,7 +79,7 @@ class Runner:
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             # The Triton MoE path is sync-free; the reference expert loop (other dtypes) asks the host.
-            if not triton_ok(weight) and any(isinstance(m, MoE) for m in model.modules()):
+            if not use_triton(weight) and any(isinstance(m, MoE) for m in model.modules()):
                 logger.info("CUDA graphs are off: MoE layers in %s run the reference expert loop, which syncs "
                             "on the host; use float32, bfloat16 or float16", self.dtype)
             else:
@@ -156,7 +156,7 @@ class Runner:
                                    for s in plan.seqs if not s.is_decode),
             prefill_starts=tuple(s.start_pos for s in plan.seqs if not s.is_decode),
         )
-        if self._mixers and ctx.num_decodes < len(plan.seqs) and triton_ok(self.model.backbone.embeddings.weight):
+        if self._mixers and ctx.num_decodes < len(plan.seqs) and use_triton(self.model.backbone.embeddings.weight):
             # The packed prefill kernels' metadata, once for every Mamba layer (CUDA; elsewhere the
             # layers run each sequence by itself). Imported here: the module imports Triton.
             from replayserve.ssm.packed_prefill import build_prefill_plan

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from replayserve.cache.manager import NO_HIT, BoundaryWrite, CacheManager
-from replayserve.config import MAMBA_CACHE_MODES
+from replayserve.config import check_mamba_cache_mode
 from replayserve.engine.penalties import uses_history
 from replayserve.engine.request import Request, Status
 
@@ -67,8 +67,7 @@ class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, cache: CacheManager,
                  mamba_cache_mode: str = "none", num_speculative_tokens: int = 0,
                  max_model_len: int | None = None) -> None:
-        if mamba_cache_mode not in MAMBA_CACHE_MODES:
-            raise ValueError(f"mamba_cache_mode {mamba_cache_mode!r} is not one of {MAMBA_CACHE_MODES}")
+        check_mamba_cache_mode(mamba_cache_mode)  # EngineConfig checks the engine's; tests build schedulers directly
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.cache = cache

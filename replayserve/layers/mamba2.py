@@ -12,6 +12,7 @@ from replayserve.layers.linear import Linear
 from replayserve.layers.norm import GatedRMSNorm
 from replayserve.layers.step_context import StepContext
 from replayserve.ops.dtypes import compute_dtype
+from replayserve.ops.gemv import gemv_serves
 from replayserve.ssm.backend import SSMBackend
 from replayserve.ssm.params import MambaParams
 
@@ -65,7 +66,7 @@ class Mamba2Mixer(nn.Module):
         params = self.params()
         nd, nt, width = ctx.num_decodes, ctx.num_decode_tokens, ctx.uniform_decode
         one_row = nd == nt == hidden.shape[0] == 1 and width <= 1
-        if FUSED_CONV_AT_ONE_ROW and one_row and self.in_proj.takes_gemv(hidden):
+        if FUSED_CONV_AT_ONE_ROW and one_row and gemv_serves(hidden, self.in_proj.weight):
             # Batch-1 decode: the conv update runs in the in_proj GEMV's epilogue (one launch fewer).
             from replayserve.ops.gemv_triton import gemv_conv_triton
 

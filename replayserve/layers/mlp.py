@@ -7,18 +7,15 @@ from torch import nn
 
 from replayserve.config import ModelConfig
 from replayserve.layers.linear import Linear
-from replayserve.ops.activation import relu_square_ref
-from replayserve.ops.dtypes import triton_ok
-from replayserve.ops.moe import fused_moe_ref, topk_route_ref
+from replayserve.ops.activation import relu_square
+from replayserve.ops.dispatch import use_triton
+from replayserve.ops.moe import ROUTER_KERNEL_MAX_TOKENS, fused_moe_ref, router_logits, topk_route
 
 # Up to this many tokens (decode steps) the shared expert runs inside the routed experts' grouped
 # GEMM (`MoE.num_folded`): fewer launches, and no cuBLAS split-K at a few rows. Larger batches keep
 # cuBLAS for it. H200, Nemotron-3-Nano's MoE layer graphed (bench_moe): folded 74 / 244 / 615 us
 # at 1 / 8 / 64 tokens against 84 / 257 / 608 us unfolded.
 FOLD_SHARED_MAX_TOKENS = 32
-# Up to this many tokens the router's logits come from one Triton kernel (`TopkRouter.logits`);
-# larger batches are matrix products for cuBLAS.
-ROUTER_KERNEL_MAX_TOKENS = 32
 
 
 class MLP(nn.Module):
@@ -28,12 +25,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.up_proj(x)
-        if triton_ok(h) and h.is_contiguous():  # one kernel, in place
-            from replayserve.ops.activation_triton import relu_square_triton_
-
-            return self.down_proj(relu_square_triton_(h))
-        return self.down_proj(relu_square_ref(h))
+        return self.down_proj(relu_square(self.up_proj(x)))
 
 
 class TopkRouter(nn.Module):
@@ -60,29 +52,15 @@ class TopkRouter(nn.Module):
         return self.top_k, self.n_group, self.topk_group, self.norm_topk_prob, self.scaling
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, hidden) -> (T, E) router logits in the router dtype. Decode-sized batches on CUDA
-        take one Triton kernel that casts x in flight (cuBLAS takes a cast, a dot and a reduction:
-        7.9 us at one token of Nemotron-3-Nano on the H200)."""
-        if triton_ok(x) and self.weight.dtype == torch.float32 and x.shape[0] <= ROUTER_KERNEL_MAX_TOKENS:
-            from replayserve.ops.moe_route_triton import router_logits_triton
-
-            return router_logits_triton(x, self.weight)
-        return x.to(self.weight.dtype) @ self.weight.t()
+        """x (T, hidden) -> (T, E) router logits in the router dtype (``ops.moe.router_logits``)."""
+        return router_logits(x, self.weight)
 
     def forward(self, x: torch.Tensor, always: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, hidden) -> expert ids (T, top_k), weights (T, top_k) in the router dtype; with
         `always` = S > 0 (Triton only), each token's row ends with experts E .. E + S - 1 at weight 1.
 
         Ids are int64 from the reference, int32 from the Triton kernel (CUDA, router in fp32)."""
-        logits = self.logits(x)
-        args = self.route_args
-        if triton_ok(logits) and logits.dtype == torch.float32:
-            from replayserve.ops.moe_route_triton import topk_route_triton
-
-            return topk_route_triton(logits, self.e_score_correction_bias, *args, always=always)
-        if always:
-            raise ValueError("always-on experts are appended by the Triton router only")
-        return topk_route_ref(logits, self.e_score_correction_bias, *args)
+        return topk_route(self.logits(x), self.e_score_correction_bias, *self.route_args, always=always)
 
     def route_aligned(self, x: torch.Tensor, always: int, block_m: int
                       ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -186,7 +164,7 @@ class MoE(nn.Module):
         FOLD_SHARED_MAX_TOKENS tokens; elsewhere as the per-expert reference loop."""
         num = len(self.experts)
         w_up, w_down = self.stacked_experts()
-        if triton_ok(x):
+        if use_triton(x):  # the grouped GEMM and its aligned routing: a composition of kernels only
             from replayserve.ops.moe_triton import default_config, fused_moe_triton
 
             folded = self.num_folded if x.shape[0] <= FOLD_SHARED_MAX_TOKENS else 0

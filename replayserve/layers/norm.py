@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from replayserve.ops.dtypes import triton_ok
-from replayserve.ops.norm import add_rms_norm_ref, gated_rms_norm_ref, rms_norm_ref
+from replayserve.ops.norm import add_rms_norm, gated_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -16,20 +15,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if triton_ok(x):  # one kernel instead of ~9
-            from replayserve.ops.norm_triton import rms_norm_triton
-
-            return rms_norm_triton(x, self.weight, self.eps)
-        return rms_norm_ref(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual add and the next pre-norm in one pass,
         exactly what `residual = x + residual; norm(residual)` gives."""
-        if triton_ok(x):  # one kernel instead of an add and a norm
-            from replayserve.ops.norm_triton import add_rms_norm_triton
-
-            return add_rms_norm_triton(x, residual, self.weight, self.eps)
-        return add_rms_norm_ref(x, residual, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -42,8 +33,4 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        if triton_ok(x):  # one kernel instead of ~11
-            from replayserve.ops.norm_triton import gated_rms_norm_triton
-
-            return gated_rms_norm_triton(x, z, self.weight, self.eps, self.group_size)
-        return gated_rms_norm_ref(x, z, self.weight, self.eps, self.group_size)
+        return gated_rms_norm(x, z, self.weight, self.eps, self.group_size)

@@ -1,10 +1,14 @@
-"""Reference paged KV cache write and causal GQA attention over a flattened batch."""
+"""Paged KV cache writes and causal GQA attention over a flattened batch: the references, the
+fixed-shape decode ops, and the two entry points a step's attention calls, which run the kernels
+of ``paged_attention_triton`` and ``prefill_attention_triton`` where they serve
+(``dispatch.use_triton``)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from replayserve.ops.dispatch import use_triton
 from replayserve.ops.dtypes import compute_dtype
 
 SHORT_ROW = 6  # at most this many query tokens (decode, verify of up to 5 drafts): batched on CUDA
@@ -200,3 +204,38 @@ def decode_attention_dense(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     att = torch.matmul(torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1), v)
     att = att.view(rows, hkv, width, group, dh).permute(0, 2, 1, 3, 4).reshape(rows * width, hq, dh)
     return att.to(q.dtype)
+
+
+def write_kv_and_attend_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                               slot_mapping: Tensor, block_tables: Tensor, query_start_loc: Tensor,
+                               seq_lens: Tensor, scale: float, width: int) -> Tensor:
+    """A step of uniform decode rows (the CUDA-graph path: fixed shapes, no host sync): writes the
+    step's K/V into the cache, then attends. Rows of `width` query tokens each; arguments as in
+    ``paged_attention_ref``, slot_mapping and block_tables without -1 (padded rows name the pad
+    block). The Triton decode kernel on CUDA (any dtype; it reads each row's context only, not
+    its whole block table); elsewhere the dense ops. Returns (T, Hq, Dh) in q.dtype."""
+    if use_triton(q, None):
+        from replayserve.ops.paged_attention_triton import paged_decode_attention_triton, write_kv_cache_triton
+
+        write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                             max_query_len=width)
+    write_kv_cache_dense(k, v, k_cache, v_cache, slot_mapping)
+    return decode_attention_dense(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def write_kv_and_attend(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+                        block_tables: Tensor, query_start_loc: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
+    """Any other step (prefill chunks, mixed prefill and decode): writes the step's K/V into the
+    cache (``write_kv_cache_ref``'s arguments), then ``paged_attention_ref``. The Triton varlen
+    kernel, one launch for the whole batch with no host sync and no scores in memory, where it
+    serves and takes the head size (``prefill_kernel_head_dim``); elsewhere (the CPU, float64)
+    the references. Returns (T, Hq, Dh) in q.dtype."""
+    if use_triton(q) and prefill_kernel_head_dim(q.shape[-1]):
+        from replayserve.ops.paged_attention_triton import write_kv_cache_triton
+        from replayserve.ops.prefill_attention_triton import paged_prefill_attention_triton
+
+        write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+        return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+    write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)

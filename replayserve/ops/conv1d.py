@@ -1,4 +1,6 @@
-"""Reference depthwise causal conv1d used by the Mamba2 mixer (prefill and decode)."""
+"""Depthwise causal conv1d used by the Mamba2 mixer (prefill and decode): the references, and the
+decode and verify steps' entry points, which run the kernels of ``conv1d_triton`` where they serve
+(``dispatch.use_triton``: one launch each, padded rows skipped)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from replayserve.ops.dispatch import use_triton
 from replayserve.ops.dtypes import compute_dtype
 
 
@@ -155,6 +158,26 @@ def causal_conv1d_verify_ref(
     y = _apply_taps(taps, weight.to(cdt), bias_c, activation)
     return y.to(x.dtype), window
 
+
+
+def causal_conv1d_update(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor | None,
+                         state_indices: Tensor) -> Tensor:
+    """``causal_conv1d_update_ref`` with silu, by its kernel where it serves the pool `conv_state`."""
+    if use_triton(conv_state):
+        from replayserve.ops.conv1d_triton import causal_conv1d_update_triton
+
+        return causal_conv1d_update_triton(x, conv_state, weight, bias, state_indices)
+    return causal_conv1d_update_ref(x, conv_state, weight, bias, state_indices)
+
+
+def causal_conv1d_verify(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor | None,
+                         state_indices: Tensor) -> tuple[Tensor, Tensor]:
+    """``causal_conv1d_verify_ref`` with silu, by its kernel where it serves the pool `conv_state`."""
+    if use_triton(conv_state):
+        from replayserve.ops.conv1d_triton import causal_conv1d_verify_triton
+
+        return causal_conv1d_verify_triton(x, conv_state, weight, bias, state_indices)
+    return causal_conv1d_verify_ref(x, conv_state, weight, bias, state_indices)
 
 def causal_conv1d_varlen_ref(
     x: Tensor,

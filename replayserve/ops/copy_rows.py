@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from replayserve.ops.dtypes import triton_ok
+from replayserve.ops.dispatch import use_triton
 
 
 def copy_rows_ref(src: Tensor, src_index: Tensor, dst: Tensor, dst_index: Tensor) -> None:
@@ -24,7 +24,7 @@ def copy_rows_ref(src: Tensor, src_index: Tensor, dst: Tensor, dst_index: Tensor
 
 def copy_rows(src: Tensor, src_index: Tensor, dst: Tensor, dst_index: Tensor) -> None:
     """The kernel where it serves the pools (CUDA, float dtypes, contiguous rows), else the ref."""
-    if triton_ok(src) and triton_ok(dst) and src[0].is_contiguous() and dst[0].is_contiguous():
+    if use_triton(src) and use_triton(dst) and src[0].is_contiguous() and dst[0].is_contiguous():
         from replayserve.ops.copy_rows_triton import copy_rows_triton  # Triton only where the kernel runs
 
         copy_rows_triton(src, src_index, dst, dst_index)

@@ -18,7 +18,3 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
         return torch.float32
     return dtype
 
-
-def triton_ok(x: torch.Tensor) -> bool:
-    """The Triton kernels serve CUDA tensors in fp32, bf16 and fp16; the references serve the rest."""
-    return x.is_cuda and x.dtype in (torch.float32, torch.bfloat16, torch.float16)

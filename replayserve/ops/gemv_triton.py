@@ -1,4 +1,5 @@
-"""One-row linear (GEMV) in Triton: ``y = x W^T + b`` for a single token, the decode step at batch 1.
+"""One-row linear (GEMV) in Triton: ``gemv_ref`` (``gemv.py``), ``y = x W^T + b`` for a single token,
+the decode step at batch 1.
 
 At one row cuBLAS picks split-K kernels plus a reduction kernel for the narrow projections and
 reaches 2.2-3.1 TB/s; this kernel streams W once in (BLOCK_N, BLOCK_K) tiles, accumulating
@@ -10,7 +11,7 @@ repeats, not yet run itself): Nemotron-3-Nano in_proj
 the first tiles, and one weight called again and again: weights that fit in L2, as out_proj's 22
 MB, were read from it, hence rates above the copy bandwidth; `bench_gemv.py` now cycles copies
 beyond L2, and ``gemv_tiles`` has the H200 sweep). At four rows it lost everywhere (it rereads W
-per row), so `layers/linear.Linear` takes it for one row only.
+per row), so ``gemv.linear`` takes it for one row only.
 
 ``gemv_conv_triton`` is the same pass with the Mamba2 conv update in its epilogue, on the conv's
 columns of the in_proj output: a batch-1 decode step's in_proj and conv in one launch.
@@ -24,17 +25,6 @@ import triton.language as tl
 from torch import Tensor
 
 from replayserve.ops.conv1d_triton import _conv_output, _store_window
-from replayserve.ops.dtypes import compute_dtype
-
-
-def gemv_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x: (1, K); weight: (N, K); bias: (N,) or None. Returns (1, N) in x.dtype, computed in
-    ``compute_dtype`` (fp32 for half inputs)."""
-    wide = compute_dtype(x.dtype)
-    y = x.to(wide) @ weight.to(wide).t()
-    if bias is not None:
-        y = y + bias.to(wide)
-    return y.to(x.dtype)
 
 
 @triton.jit

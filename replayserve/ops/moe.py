@@ -1,9 +1,10 @@
-"""Nemotron-H's routed experts in plain PyTorch: the oracles of ``replayserve.ops.moe_triton``.
+"""Nemotron-H's routed experts in plain PyTorch: the oracles of ``moe_triton`` and ``moe_route_triton``.
 
-``topk_route_ref`` turns router logits into each token's experts and weights; ``fused_moe_ref``
-runs the chosen experts (relu^2 MLPs without bias) one expert at a time and sums their outputs
-per token. The expert loop asks the host which experts are in use (a sync): the Triton path
-does not.
+``router_logits_ref`` and ``topk_route_ref`` turn a token into its experts and weights;
+``fused_moe_ref`` runs the chosen experts (relu^2 MLPs without bias) one expert at a time and sums
+their outputs per token. The expert loop asks the host which experts are in use (a sync): the
+Triton path does not. ``router_logits`` and ``topk_route`` are the routing's entry points
+(``dispatch.use_triton``); the grouped-GEMM path is the MoE layer's own composition.
 """
 
 from __future__ import annotations
@@ -13,6 +14,27 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from replayserve.ops.activation import relu_square_ref
+from replayserve.ops.dispatch import use_triton
+
+# Up to this many tokens (decode steps) the router's logits come from one Triton kernel; larger
+# batches are matrix products for cuBLAS.
+ROUTER_KERNEL_MAX_TOKENS = 32
+
+
+def router_logits_ref(x: Tensor, weight: Tensor) -> Tensor:
+    """x (T, W) any float dtype, weight (E, W) the router's -> (T, E) logits in weight.dtype."""
+    return x.to(weight.dtype) @ weight.t()
+
+
+def router_logits(x: Tensor, weight: Tensor) -> Tensor:
+    """``router_logits_ref``; decode-sized batches with an fp32 router take one Triton kernel that
+    casts x in flight (cuBLAS takes a cast, a dot and a reduction: 7.9 us at one token of
+    Nemotron-3-Nano on the H200)."""
+    if use_triton(x) and weight.dtype == torch.float32 and x.shape[0] <= ROUTER_KERNEL_MAX_TOKENS:
+        from replayserve.ops.moe_route_triton import router_logits_triton
+
+        return router_logits_triton(x, weight)
+    return router_logits_ref(x, weight)
 
 
 def topk_route_ref(logits: Tensor, bias: Tensor, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
@@ -46,6 +68,20 @@ def topk_route_ref(logits: Tensor, bias: Tensor, top_k: int, n_group: int, topk_
     if norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     return ids, weights * scaling
+
+
+def topk_route(logits: Tensor, bias: Tensor, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
+               scaling: float, always: int = 0) -> tuple[Tensor, Tensor]:
+    """``topk_route_ref``, by ``topk_route_triton`` for fp32 logits where it serves: ids int32
+    there, int64 from the reference. `always` = S > 0 (the kernel only) ends each token's row with
+    experts E .. E + S - 1 at weight 1."""
+    if use_triton(logits, (torch.float32,)):
+        from replayserve.ops.moe_route_triton import topk_route_triton
+
+        return topk_route_triton(logits, bias, top_k, n_group, topk_group, norm_topk_prob, scaling, always=always)
+    if always:
+        raise ValueError("always-on experts are appended by the Triton router only")
+    return topk_route_ref(logits, bias, top_k, n_group, topk_group, norm_topk_prob, scaling)
 
 
 def fused_moe_ref(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weights: Tensor) -> Tensor:

@@ -1,4 +1,6 @@
-"""Reference RMS norms: plain, and the grouped gated variant used after the Mamba2 scan."""
+"""RMS norms: plain, with the residual add before it, and the grouped gated variant used after the
+Mamba2 scan. The references here; each entry point runs the kernel of ``norm_triton`` where it
+serves (``dispatch.use_triton``): one launch instead of about ten."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from replayserve.ops.dispatch import use_triton
 from replayserve.ops.dtypes import compute_dtype
 
 
@@ -77,3 +80,30 @@ def add_rms_norm_ref(x: Tensor, residual: Tensor, weight: Tensor, eps: float) ->
     cdt = compute_dtype(torch.promote_types(x.dtype, residual.dtype))
     summed = (x.to(cdt) + residual.to(cdt)).to(residual.dtype)
     return rms_norm_ref(summed, weight, eps).to(x.dtype), summed
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``rms_norm_ref``, by its kernel where it serves."""
+    if use_triton(x):
+        from replayserve.ops.norm_triton import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_ref(x, weight, eps)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``add_rms_norm_ref``, by its kernel where it serves."""
+    if use_triton(x):
+        from replayserve.ops.norm_triton import add_rms_norm_triton
+
+        return add_rms_norm_triton(x, residual, weight, eps)
+    return add_rms_norm_ref(x, residual, weight, eps)
+
+
+def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float, group_size: int) -> Tensor:
+    """``gated_rms_norm_ref``, by its kernel where it serves."""
+    if use_triton(x):
+        from replayserve.ops.norm_triton import gated_rms_norm_triton
+
+        return gated_rms_norm_triton(x, z, weight, eps, group_size)
+    return gated_rms_norm_ref(x, z, weight, eps, group_size)

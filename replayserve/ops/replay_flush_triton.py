@@ -32,6 +32,34 @@ from torch import Tensor
 from replayserve.ops.replay_cursors_triton import flag_bytes
 
 
+@triton.jit
+def fold_history_tile(st_row, br_row, xh, dh, to_end, g_m, a, hist, ph, mask_p, dstate, s_st_n, s_br_r, s_br_n,
+                      BLOCK_N: tl.constexpr, FOLD_N: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr):
+    """The flush of one (BLOCK_P, N) checkpoint tile, IN PLACE, in tile form (module docstring):
+    ``S1 = e^{A G_m} S0 + (x_h w)^T B_h`` with ``w_j = e^{A (G_m - G_j)} d_j``, in FOLD_N-column
+    chunks of the tile. This kernel's and the step kernel's fused flush (verify steps) both run it.
+
+    st_row: (BLOCK_P, 1) pointers to the tile's rows; br_row: the slot's B ring of the head's group.
+    xh: (BLOCK_W, BLOCK_P) the history's x; dh, to_end: (BLOCK_W,) fp32 its deltas and G_m - G_j;
+    all zero past the history, whose entries `hist` marks and `ph` places in the rings. g_m: G_m;
+    a: the head's A (fp32). STAGES: the chunk loop's pipelining (None: the compiler's choice);
+    PRECISION: the products' input_precision.
+    """
+    w = tl.where(hist, tl.exp(tl.where(hist, a * to_end, float("-inf"))) * dh, 0.0)
+    xw_t = tl.trans(xh.to(tl.float32) * w[:, None])  # (BLOCK_P, BLOCK_W)
+    decay = tl.exp(a * g_m)
+    for n0 in tl.range(0, BLOCK_N, FOLD_N, num_stages=STAGES):
+        offs_c = n0 + tl.arange(0, FOLD_N)
+        mask_c = offs_c < dstate
+        bh = tl.load(br_row + ph[:, None] * s_br_r + offs_c[None, :] * s_br_n, mask=hist[:, None] & mask_c[None, :],
+                     other=0.0).to(tl.float32)
+        c_ptrs = st_row + offs_c[None, :] * s_st_n
+        mask_pc = mask_p[:, None] & mask_c[None, :]
+        piece = tl.load(c_ptrs, mask=mask_pc, other=0.0).to(tl.float32)
+        piece = decay * piece + tl.dot(xw_t, bh, input_precision=PRECISION)
+        tl.store(c_ptrs, piece.to(c_ptrs.dtype.element_ty), mask=mask_pc)
+
+
 # `rows` changes every step; BLOCK_ROWS follows it, and not specialising on its value (== 1,
 # divisible by 16) lets an eager step of any row count reuse the variant of its graph bucket.
 @triton.jit(do_not_specialize=["rows"])
@@ -73,20 +101,10 @@ def _replay_flush_kernel(
                      mask=hist[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
         dh = tl.load(dr_ptr + slot * s_dr_slot + h * s_dr_h + ph * s_dr_r, mask=hist, other=0.0).to(tl.float32)
         g_m = tl.sum(dh, axis=0)
-        w = tl.where(hist, tl.exp(tl.where(hist, a * (g_m - tl.cumsum(dh, axis=0)), float("-inf"))) * dh, 0.0)
-        xw_t = tl.trans(xh * w[:, None])  # (BLOCK_P, BLOCK_W)
-        decay = tl.exp(a * g_m)
         br_row = br_ptr + slot * s_br_slot + (h // heads_per_group) * s_br_g
         st_row = state_ptr + slot * s_st_slot + h * s_st_h + offs_p[:, None] * s_st_p
-        for n0 in tl.range(0, BLOCK_N, FOLD_N, num_stages=STAGES):
-            offs_c = n0 + tl.arange(0, FOLD_N)
-            mask_c = offs_c < dstate
-            bh = tl.load(br_row + ph[:, None] * s_br_r + offs_c[None, :] * s_br_n, mask=hist[:, None] & mask_c[None, :],
-                         other=0.0).to(tl.float32)
-            mask_pc = mask_p[:, None] & mask_c[None, :]
-            piece = tl.load(st_row + offs_c[None, :] * s_st_n, mask=mask_pc, other=0.0).to(tl.float32)
-            piece = decay * piece + tl.dot(xw_t, bh, input_precision=PRECISION)
-            tl.store(st_row + offs_c[None, :] * s_st_n, piece.to(state_ptr.dtype.element_ty), mask=mask_pc)
+        fold_history_tile(st_row, br_row, xh, dh, g_m - tl.cumsum(dh, axis=0), g_m, a, hist, ph, mask_p, dstate,
+                          s_st_n, s_br_r, s_br_n, BLOCK_N, FOLD_N, STAGES, PRECISION)
 
 
 # Launch options; programs per SM times the SM count is the grid. The fastest of ten candidates on

@@ -12,7 +12,9 @@ the canonical state after `committed - history[s]` tokens; entries 0..history-1 
 the next `history` committed tokens. Rows with slot -1 are padding: they touch nothing.
 
 These are plain-PyTorch, device-agnostic references with per-row Python loops; they validate
-shapes and cursor ranges and raise ValueError on any mismatch.
+shapes and cursor ranges and raise ValueError on any mismatch. ``replay_prepare``, ``replay_step``,
+``replay_commit`` and ``replay_materialize`` are the backend's entry points: the kernels of
+``replay_ssm_triton`` on CUDA, whatever the dtypes (``dispatch.use_triton``), these elsewhere.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import math
 import torch
 from torch import Tensor
 
+from replayserve.ops.dispatch import use_triton
 from replayserve.ops.dtypes import compute_dtype
-from replayserve.ops.ssd import process_dt
+from replayserve.ops.time_step import process_dt
 
 
 def ring_index(start: int, j: int, ring_len: int) -> int:
@@ -306,3 +309,61 @@ def replay_reset_slot_ref(ring_start: Tensor, history: Tensor, is_flush: Tensor,
     num_slots = _check_cursors(ring_start, history, is_flush)
     for _, s in _real_rows(slots, num_slots):
         ring_start[s], history[s], is_flush[s] = 0, 0, False
+
+
+def _pads_skipped(slots: Tensor, pad_slot: int | None) -> Tensor:
+    """`slots` with `pad_slot` as -1, the references' padding (they need distinct slots)."""
+    return slots if pad_slot is None else slots.masked_fill(slots == pad_slot, -1)
+
+
+# The entry points. `pad_slot`: a slot that padded rows may name instead of -1 (the fixed-shape
+# decode path's, which no pool hands out): the kernels run those rows on it, in parallel and
+# harmlessly; the references skip them.
+
+def replay_prepare(ring_start: Tensor, history: Tensor, is_flush: Tensor, slots: Tensor, num_tokens: Tensor,
+                   fresh: Tensor, window: int, pad_slot: int | None = None) -> None:
+    """``replay_prepare_ref``, by its kernel where it serves the cursors."""
+    if use_triton(ring_start, None):
+        from replayserve.ops.replay_cursors_triton import replay_prepare_triton
+
+        replay_prepare_triton(ring_start, history, is_flush, slots, num_tokens, fresh, window)
+    else:
+        replay_prepare_ref(ring_start, history, is_flush, _pads_skipped(slots, pad_slot), num_tokens, fresh, window)
+
+
+def replay_step(
+    state: Tensor, x_ring: Tensor, dt_ring: Tensor, B_ring: Tensor,
+    ring_start: Tensor, history: Tensor, is_flush: Tensor, slots: Tensor, num_tokens: Tensor,
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None, dt_bias: Tensor | None,
+    dt_limit: tuple[float, float] = (0.0, math.inf), pad_slot: int | None = None,
+) -> Tensor:
+    """``replay_step_ref``, by ``replay_step_triton`` (and the flush kernel) where it serves the pool."""
+    if use_triton(state, None):
+        from replayserve.ops.replay_ssm_triton import replay_step_triton
+
+        return replay_step_triton(state, x_ring, dt_ring, B_ring, ring_start, history, is_flush, slots, num_tokens,
+                                  x, dt, A, B, C, D, dt_bias, dt_limit)
+    return replay_step_ref(state, x_ring, dt_ring, B_ring, ring_start, history, is_flush,
+                           _pads_skipped(slots, pad_slot), num_tokens, x, dt, A, B, C, D, dt_bias, dt_limit)
+
+
+def replay_commit(ring_start: Tensor, history: Tensor, is_flush: Tensor, slots: Tensor, num_accepted: Tensor,
+                  ring_len: int, pad_slot: int | None = None) -> None:
+    """``replay_commit_ref``, by its kernel where it serves the cursors."""
+    if use_triton(ring_start, None):
+        from replayserve.ops.replay_cursors_triton import replay_commit_triton
+
+        replay_commit_triton(ring_start, history, is_flush, slots, num_accepted, ring_len)
+    else:
+        replay_commit_ref(ring_start, history, is_flush, _pads_skipped(slots, pad_slot), num_accepted, ring_len)
+
+
+def replay_materialize(state: Tensor, x_ring: Tensor, dt_ring: Tensor, B_ring: Tensor, A: Tensor,
+                       src: Tensor, dst: Tensor, ring_start: Tensor, n: Tensor) -> None:
+    """``replay_materialize_ref``, by its kernel where it serves the pool."""
+    if use_triton(state, None):
+        from replayserve.ops.replay_ssm_triton import replay_materialize_triton
+
+        replay_materialize_triton(state, x_ring, dt_ring, B_ring, A, src, dst, ring_start, n)
+    else:
+        replay_materialize_ref(state, x_ring, dt_ring, B_ring, A, src, dst, ring_start, n)

@@ -22,7 +22,8 @@ S1 = e^{A G_m} S0 + (x_h w)^T B_h. Decode steps (T <= ``SEPARATE_FLUSH_TOKENS``)
 ``replay_flush_triton``, a persistent kernel launched after this one that spends programs only
 on the flushing rows (about 1/W of them); the step kernel then carries no fold and keeps its
 register cap. Verify steps (T > 1) fold inside the step kernel (``FUSED_FLUSH``: fp32 products,
-``input_precision="ieee"``), in column chunks of the tile reloaded from cache.
+``input_precision="ieee"``), in column chunks of the tile reloaded from cache; both run the flush
+kernel's ``fold_history_tile``.
 Materialization folds token by token (``_fold``), like the baseline update. Readouts use explicit
 fp32 reductions: at decode sizes (T <= 4) 16-wide dot tiles would mostly multiply padding.
 """
@@ -37,8 +38,8 @@ import triton.language as tl
 from torch import Tensor
 
 from replayserve.ops.replay_cursors_triton import flag_bytes, replay_commit_triton, replay_prepare_triton
-from replayserve.ops.replay_flush_triton import replay_flush_triton
-from replayserve.ops.ssu_triton import process_dt
+from replayserve.ops.replay_flush_triton import fold_history_tile, replay_flush_triton
+from replayserve.ops.time_step_triton import process_dt
 
 __all__ = ["replay_commit_triton", "replay_flush_triton", "replay_materialize_triton", "replay_prepare_triton",
            "replay_step_triton"]
@@ -214,23 +215,12 @@ def _replay_step_kernel(
     tl.store(xr_row + pw[:, None] * s_xr_r + offs_p[None, :] * s_xr_p, xw, mask=win[:, None] & mlp)
     tl.store(dr_row + pw * s_dr_r, dw, mask=win & (pid_p == 0))
     if FUSED_FLUSH and (tl.load(flush_ptr + slot) != 0) & (m > 0):  # S1 = fold(S0, history): the new checkpoint
-        # Tile form: S1 = e^{A G_m} S0 + (x_h w)^T B_h, with w_j = e^{A (G_m - G_j)} d_j, in FOLD_N-column
-        # chunks of the tile reloaded from cache: one latency per chunk, not one per entry.
-        w = tl.where(hist, tl.exp(tl.where(hist, a * to_end, float("-inf"))) * dh, 0.0)
-        xw_t = tl.trans(xh.to(tl.float32) * w[:, None])  # (BLOCK_P, BLOCK_W)
-        decay = tl.exp(a * g_m)
+        # Tile form, in FOLD_N-column chunks of the tile reloaded from cache: one latency per chunk,
+        # not one per entry; fp32 products.
         br_row = br_ptr + slot * s_br_slot + g * s_br_g
         st_row = state_ptr + slot * s_st_slot + h * s_st_h + offs_p[:, None] * s_st_p
-        for n0 in range(0, BLOCK_N, FOLD_N):
-            offs_c = n0 + tl.arange(0, FOLD_N)
-            mask_c = offs_c < dstate
-            bh = tl.load(br_row + ph[:, None] * s_br_r + offs_c[None, :] * s_br_n, mask=hist[:, None] & mask_c[None, :],
-                         other=0.0).to(tl.float32)
-            c_ptrs = st_row + offs_c[None, :] * s_st_n
-            mask_pc = mask_p[:, None] & mask_c[None, :]
-            piece = tl.load(c_ptrs, mask=mask_pc, other=0.0).to(tl.float32)
-            piece = decay * piece + tl.dot(xw_t, bh, input_precision="ieee")
-            tl.store(c_ptrs, piece.to(state_ptr.dtype.element_ty), mask=mask_pc)
+        fold_history_tile(st_row, br_row, xh, dh, to_end, g_m, a, hist, ph, mask_p, dstate, s_st_n, s_br_r, s_br_n,
+                          BLOCK_N, FOLD_N, None, "ieee")
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""Reference Mamba2 SSD scan: chunked prefill for one sequence and the batched decode step."""
+"""Reference Mamba2 SSD scan: chunked prefill of one sequence, and of packed sequences."""
 
 from __future__ import annotations
 
@@ -9,25 +9,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from replayserve.ops.dtypes import compute_dtype
+from replayserve.ops.time_step import process_dt
 
 
-def process_dt(
-    dt: Tensor,
-    dt_bias: Tensor | None,
-    dt_softplus: bool,
-    dt_limit: tuple[float, float],
-) -> Tensor:
-    """Processed time step: clamp(softplus(dt + dt_bias), *dt_limit), elementwise, in dt's dtype.
-
-    dt_bias broadcasts against dt's last (head) axis; shared by every op that takes a raw dt.
-    """
-    delta = dt if dt_bias is None else dt + dt_bias
-    if dt_softplus:
-        delta = F.softplus(delta)
-    return delta.clamp(min=dt_limit[0], max=dt_limit[1])
-
-
-def _heads_per_group(num_heads: int, num_groups: int) -> int:
+def heads_per_group(num_heads: int, num_groups: int) -> int:
     if num_heads % num_groups != 0:
         raise ValueError(f"H={num_heads} is not a multiple of G={num_groups}")
     return num_heads // num_groups
@@ -78,7 +63,7 @@ def ssd_chunk_scan_ref(
     """
     seqlen, nheads, headdim = x.shape
     ngroups, dstate = B.shape[1], B.shape[2]
-    rep = _heads_per_group(nheads, ngroups)
+    rep = heads_per_group(nheads, ngroups)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if not 0 <= chunk_phase < chunk_size:
@@ -140,65 +125,6 @@ def ssd_chunk_scan_ref(
     if return_chunk_states:
         return y.to(x.dtype), state, prev
     return y.to(x.dtype), state
-
-
-def selective_state_update_ref(
-    state: Tensor,
-    x: Tensor,
-    dt: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None = None,
-    dt_bias: Tensor | None = None,
-    dt_softplus: bool = True,
-    dt_limit: tuple[float, float] = (0.0, math.inf),
-    state_indices: Tensor | None = None,
-) -> Tensor:
-    """One Mamba2 decode step for a batch of sequences (same recurrence as ssd_chunk_scan_ref).
-
-    Arguments:
-        state: (S, H, P, N) pool of SSM states; rows ``state_indices`` are
-            updated IN PLACE (written back in state.dtype), other rows untouched.
-        x: (B, H, P) one token per sequence.
-        dt: (B, H) raw time step.
-        A: (H,) negative decay rates.
-        B, C: (B, G, N), H % G == 0.
-        D: (H,) or None.
-        dt_bias: (H,) or None.
-        dt_softplus: apply softplus to dt + dt_bias.
-        dt_limit: (min, max) clamp applied to the processed dt.
-        state_indices: (B,) int64 distinct slots, or None for arange(B) with S == B.
-
-    Returns:
-        y: (B, H, P) in x.dtype. Computed in the wider of state.dtype and
-        compute_dtype(x.dtype).
-    """
-    batch, nheads, _ = x.shape
-    rep = _heads_per_group(nheads, B.shape[1])
-    if state_indices is None:
-        if state.shape[0] != batch:
-            raise ValueError(f"state_indices=None needs S == B, got S={state.shape[0]}, B={batch}")
-        idx = torch.arange(batch, device=state.device)
-    else:
-        if state_indices.shape != (batch,):
-            raise ValueError(f"state_indices must be ({batch},), got {tuple(state_indices.shape)}")
-        idx = state_indices.long()
-    cdt = torch.promote_types(state.dtype, compute_dtype(x.dtype))
-
-    delta = process_dt(dt.to(cdt), None if dt_bias is None else dt_bias.to(cdt), dt_softplus, dt_limit)
-    xc = x.to(cdt)
-    Bh = B.to(cdt).repeat_interleave(rep, dim=1)  # (B, H, N)
-    Ch = C.to(cdt).repeat_interleave(rep, dim=1)
-    decay = torch.exp(delta * A.to(cdt))  # (B, H)
-
-    s = state[idx].to(cdt)
-    s = decay[:, :, None, None] * s + (delta[:, :, None] * xc)[..., None] * Bh[:, :, None, :]
-    y = torch.einsum("bhpn,bhn->bhp", s, Ch)
-    if D is not None:
-        y = y + D.to(cdt)[:, None] * xc
-    state[idx] = s.to(state.dtype)
-    return y.to(x.dtype)
 
 
 def ssd_varlen_scan_ref(

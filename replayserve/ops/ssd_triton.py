@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from replayserve.ops.ssu_triton import process_dt
+from replayserve.ops.time_step_triton import process_dt
 
 
 @dataclass(frozen=True)

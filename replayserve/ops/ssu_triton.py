@@ -1,4 +1,4 @@
-"""Triton Mamba2 decode step (baseline): matches ``replayserve.ops.ssd.selective_state_update_ref``.
+"""Triton Mamba2 decode step (baseline): matches ``replayserve.ops.ssu.selective_state_update_ref``.
 
 One program per (P-block, head, row) loads its (BLOCK_P, N) state tile, applies
 ``S = exp(delta*A) * S + delta * x B^T`` in fp32, writes the tile back in the state dtype and
@@ -15,14 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-
-@triton.jit
-def process_dt(dt, dt_bias, dt_min, dt_max, DT_SOFTPLUS: tl.constexpr):
-    """Delta = clamp(softplus(dt + dt_bias), dt_min, dt_max) in fp32; softplus is the identity above 20."""
-    delta = dt + dt_bias
-    if DT_SOFTPLUS:
-        delta = tl.where(delta <= 20.0, tl.log(tl.exp(delta) + 1.0), delta)
-    return tl.minimum(tl.maximum(delta, dt_min), dt_max)
+from replayserve.ops.time_step_triton import process_dt
 
 
 @triton.jit

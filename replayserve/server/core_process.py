@@ -65,7 +65,7 @@ def run_engine_core(model: str, engine_options: dict[str, Any], input_address: s
     outputs.connect(output_address)
     try:
         try:
-            built = build_engine(model, **engine_options)
+            built = build_engine(model, engine_options)
         except Exception as e:  # noqa: BLE001 - reported to the front end, which prints it
             outputs.send(encode(StartFailed(f"{type(e).__name__}: {e}")))
             return

@@ -41,6 +41,7 @@ class _Tracked:
 
     request_id: str  # the front end's id
     request: Request
+    added_at: float  # time.monotonic() when the core queued it
     num_sent: int = 0
 
 
@@ -49,6 +50,10 @@ class EngineCore:
         self.engine = engine
         self._active: dict[str, _Tracked] = {}  # by the front end's id
         self._snapshot_at = 0.0
+        # Time to first token inside the core (from queueing to the step that produced it): with the
+        # front end's own TTFT it tells the core's share of a request's wait from the transport's.
+        self._ttft_sum_s = 0.0
+        self._ttft_count = 0
 
     # -- commands ----------------------------------------------------------------------------------
     def add(self, message: AddRequest) -> TokenOutput | None:
@@ -59,7 +64,7 @@ class EngineCore:
             request = self.engine.add_request(message.prompt_token_ids, params)
         except (TypeError, ValueError) as e:
             return TokenOutput(message.request_id, [], finish_reason="error", error=f"the engine refused it: {e}")
-        self._active[message.request_id] = _Tracked(message.request_id, request)
+        self._active[message.request_id] = _Tracked(message.request_id, request, time.monotonic())
         return None
 
     def abort(self, request_ids: list[str]) -> None:
@@ -121,16 +126,21 @@ class EngineCore:
         if cache.states is not None:
             usage["mamba_cache_states"] = 1 - cache.states.num_free / cache.states.size
         metrics = {k: float(v) for k, v in engine.get_metrics().items() if isinstance(v, int | float)}
+        metrics.update(core_ttft_seconds_sum=self._ttft_sum_s, core_ttft_count=float(self._ttft_count))
         return Snapshot(len(engine.scheduler.running), len(engine.scheduler.waiting), metrics, usage)
 
     def _collect(self) -> list[TokenOutput]:
         outputs = []
+        now = time.monotonic()
         for request_id, tracked in list(self._active.items()):
             request = tracked.request
             new = request.output_token_ids[tracked.num_sent :]
             finished = request.status is Status.FINISHED
             if not new and not finished:
                 continue
+            if new and tracked.num_sent == 0:
+                self._ttft_sum_s += now - tracked.added_at
+                self._ttft_count += 1
             logprobs = None
             if request.params.logprobs is not None:
                 logprobs = request.output_logprobs[tracked.num_sent : tracked.num_sent + len(new)]

@@ -100,5 +100,9 @@ class _EngineCollector:
         yield counter("spec_decode_accepted_tokens", "Speculative tokens accepted", "spec_num_accepted_tokens")
         yield counter("num_preemptions", "Requests preempted (recomputed)", "num_preemptions")
         yield counter("engine_steps", "Engine steps run", "num_steps")
+        yield counter("core_time_to_first_token_seconds", "Sum over requests of the engine core's own time to "
+                      "first token (queued in the core to the step that produced it)", "core_ttft_seconds_sum")
+        yield counter("core_time_to_first_token_requests", "Requests counted in the core's time to first token",
+                      "core_ttft_count")
         yield counter("engine_overlapped_steps", "Engine steps launched while the previous step ran "
                       "(async scheduling)", "num_overlapped_steps")

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from replayserve.ops.conv1d import causal_conv1d_ref, causal_conv1d_update_ref, causal_conv1d_verify_ref
+from replayserve.ops.conv1d import causal_conv1d_ref, causal_conv1d_verify
 from replayserve.ops.copy_rows import copy_rows
-from replayserve.ops.dtypes import triton_ok
+from replayserve.ops.dispatch import use_triton
 from replayserve.ops.ssd import ssd_chunk_scan_ref
 from replayserve.ssm.layout import MambaLayout
 from replayserve.ssm.params import MambaParams, Segment
@@ -32,8 +32,6 @@ class SSMBackend(ABC):
     _accepted: torch.Tensor | None
 
     def _init_step_state(self) -> None:
-        self._conv_update, self._conv_verify = conv_ops(self.conv_state[0].device if self.conv_state else
-                                                        torch.device("cpu"), self.layout.act_dtype)
         self.spec_states, self._windows, self._accepted = [], {}, None
         self._capture_indices: dict[tuple, torch.Tensor] = {}
 
@@ -67,7 +65,7 @@ class SSMBackend(ABC):
         the activations (CUDA).
         """
         lo, hi = segments[0][0], segments[-1][1]
-        if plan is None and not (triton_ok(xbc) if packed is None else packed):
+        if plan is None and not (use_triton(xbc) if packed is None else packed):
             ys = [self.prefill(layer, slot, xbc[start:end], dt[start:end], params, captures, first % params.chunk_size)
                   for start, end, slot, captures, first in segments]
             return ys[0] if len(ys) == 1 else torch.cat(ys)
@@ -186,7 +184,7 @@ class SSMBackend(ABC):
         nothing: `end_step` keeps each row's accepted prefix. xbc (B, T, conv_dim) and dt (B, T, H)
         padded; num_tokens (B,) int32. Returns y (B, T, H, P)."""
         rows, tokens = xbc.shape[:2]
-        xbc, self._windows[layer] = self._conv_verify(
+        xbc, self._windows[layer] = causal_conv1d_verify(
             xbc, self.conv_state[layer], params.conv_weight, params.conv_bias, slots)
         x, b, c = self.layout.split_xbc(xbc.reshape(rows * tokens, -1))
         shaped = [t.reshape(rows, tokens, *t.shape[1:]) for t in (x, b, c)]
@@ -216,16 +214,6 @@ class SSMBackend(ABC):
     @abstractmethod
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor that holds per-slot state."""
-
-
-def conv_ops(device: torch.device, dtype: torch.dtype):  # noqa: ANN201 - the (update, verify) pair
-    """The conv1d decode update and verify: Triton kernels on CUDA in fp32/bf16/fp16 (one launch
-    each, padded rows skipped), the plain-PyTorch references elsewhere."""
-    if device.type == "cuda" and dtype in (torch.float32, torch.bfloat16, torch.float16):
-        from replayserve.ops.conv1d_triton import causal_conv1d_update_triton, causal_conv1d_verify_triton
-
-        return causal_conv1d_update_triton, causal_conv1d_verify_triton
-    return causal_conv1d_update_ref, causal_conv1d_verify_ref
 
 
 def conv_state_after(window: torch.Tensor, j: torch.Tensor, width: int) -> torch.Tensor:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from replayserve.ops.ssd import selective_state_update_ref
+from replayserve.ops.conv1d import causal_conv1d_update
+from replayserve.ops.ssu import selective_state_update
 from replayserve.ssm.backend import SSMBackend
 from replayserve.ssm.layout import MambaLayout
 from replayserve.ssm.params import MambaParams
@@ -13,11 +14,6 @@ from replayserve.ssm.params import MambaParams
 class BaselineBackend(SSMBackend):
     def __init__(self, layout: MambaLayout, device: torch.device) -> None:
         self.layout = layout
-        self._update = selective_state_update_ref
-        if device.type == "cuda":
-            from replayserve.ops.ssu_triton import selective_state_update_triton
-
-            self._update = selective_state_update_triton
         # Zero-initialised so padded or never-used slots hold finite values.
         self.conv_state = [
             torch.zeros(layout.conv_state_shape, dtype=layout.act_dtype, device=device)
@@ -42,8 +38,8 @@ class BaselineBackend(SSMBackend):
         work = self.ssm_state[layer][slots].clone()
         ys = []
         for t in range(x.shape[1]):  # padded tokens run too; their states are never kept
-            ys.append(self._update(work, x[:, t], dt[:, t], params.A, b[:, t], c[:, t], D=params.D,
-                                   dt_bias=params.dt_bias, dt_limit=params.dt_limit))
+            ys.append(selective_state_update(work, x[:, t], dt[:, t], params.A, b[:, t], c[:, t], D=params.D,
+                                             dt_bias=params.dt_bias, dt_limit=params.dt_limit))
             self.spec_states[layer][slots, t] = work
         return torch.stack(ys, dim=1)
 
@@ -62,9 +58,9 @@ class BaselineBackend(SSMBackend):
         conv_done: bool = False,
     ) -> torch.Tensor:
         if not conv_done:
-            xbc = self._conv_update(xbc, self.conv_state[layer], params.conv_weight, params.conv_bias, slots)
+            xbc = causal_conv1d_update(xbc, self.conv_state[layer], params.conv_weight, params.conv_bias, slots)
         x, b, c = self.layout.split_xbc(xbc)
-        return self._update(
+        return selective_state_update(
             self.ssm_state[layer], x, dt, params.A, b, c, D=params.D, dt_bias=params.dt_bias,
             dt_limit=params.dt_limit, state_indices=slots,
         )

@@ -11,30 +11,20 @@ from __future__ import annotations
 
 import torch
 
-from replayserve.ops import replay_ssm as ref
+from replayserve.config import check_replay_window
+from replayserve.ops.conv1d import causal_conv1d_update
+from replayserve.ops.replay_ssm import replay_commit, replay_materialize, replay_prepare, replay_step
 from replayserve.ssm.backend import SSMBackend, conv_state_after
 from replayserve.ssm.layout import MambaLayout
 from replayserve.ssm.params import MambaParams
 
 
-def _kernels(device: torch.device):  # noqa: ANN202 - returns a module-like namespace
-    """Triton kernels on CUDA, the plain-PyTorch references elsewhere."""
-    if device.type == "cuda":
-        from replayserve.ops import replay_ssm_triton as tk
-
-        return tk.replay_prepare_triton, tk.replay_step_triton, tk.replay_commit_triton, tk.replay_materialize_triton
-    return ref.replay_prepare_ref, ref.replay_step_ref, ref.replay_commit_ref, ref.replay_materialize_ref
-
-
 class ReplayBackend(SSMBackend):
     def __init__(self, layout: MambaLayout, device: torch.device) -> None:
-        if layout.window < layout.tokens_per_step:
-            raise ValueError(f"replay_window={layout.window} must be >= tokens per step {layout.tokens_per_step}")
+        check_replay_window(layout.window, layout.tokens_per_step)  # EngineConfig's check, for hand-made layouts
         self.layout = layout
-        self._prepare, self._step, self._commit, self._materialize = _kernels(device)
-        # The references take padded rows as slot -1; the fixed-shape decode path pads with the pad
-        # slot (the last, which no pool hands out), which the kernels write in parallel, harmlessly.
-        self._pad_slot = None if device.type == "cuda" else layout.num_slots - 1
+        # The fixed-shape decode path pads with the pad slot (the last, which no pool hands out).
+        self._pad_slot = layout.num_slots - 1
 
         def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
             # Zero-initialised: padded and never-used slots must hold finite values.
@@ -75,8 +65,8 @@ class ReplayBackend(SSMBackend):
         n = self.history.index_select(0, src) - lag
         j = self._accepted[rows] - lag if self._windows else None  # this step's tokens up to the boundary
         for layer in range(self.layout.num_layers):
-            self._materialize(self.ssm_state[layer], self.x_ring[layer], self.dt_ring[layer], self.b_ring[layer],
-                              A[layer], src, dst, start, n)
+            replay_materialize(self.ssm_state[layer], self.x_ring[layer], self.dt_ring[layer], self.b_ring[layer],
+                               A[layer], src, dst, start, n)
             if j is not None:  # the conv state is the last K - 1 inputs before the boundary
                 self.conv_state[layer][dst] = conv_state_after(self._windows[layer][rows], j,
                                                                self.layout.conv_kernel - 1)
@@ -86,38 +76,35 @@ class ReplayBackend(SSMBackend):
     def begin_step(self, slots: torch.Tensor, num_tokens: torch.Tensor) -> None:
         super().begin_step(slots, num_tokens)
         fresh = torch.zeros_like(slots, dtype=torch.bool)  # fresh slots were reset at admission
-        self._prepare(self.ring_start, self.history, self.is_flush, self._rows(slots), num_tokens, fresh,
-                      self.layout.window)
+        replay_prepare(self.ring_start, self.history, self.is_flush, slots, num_tokens, fresh, self.layout.window,
+                       pad_slot=self._pad_slot)
 
     def decode(
         self, layer: int, slots: torch.Tensor, xbc: torch.Tensor, dt: torch.Tensor, params: MambaParams,
         conv_done: bool = False,
     ) -> torch.Tensor:
         if not conv_done:
-            xbc = self._conv_update(xbc, self.conv_state[layer], params.conv_weight, params.conv_bias, slots)
+            xbc = causal_conv1d_update(xbc, self.conv_state[layer], params.conv_weight, params.conv_bias, slots)
         x, b, c = self.layout.split_xbc(xbc)
         ones = self._ones[: slots.shape[0]]
-        y = self._step(
+        y = replay_step(
             self.ssm_state[layer], self.x_ring[layer], self.dt_ring[layer], self.b_ring[layer],
-            self.ring_start, self.history, self.is_flush, self._rows(slots), ones,
+            self.ring_start, self.history, self.is_flush, slots, ones,
             x[:, None], dt[:, None], params.A, b[:, None], c[:, None], params.D, params.dt_bias, params.dt_limit,
+            pad_slot=self._pad_slot,
         )
         return y[:, 0]
 
     def _verify_ssm(self, layer: int, slots: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor,
                     c: torch.Tensor, num_tokens: torch.Tensor, params: MambaParams) -> torch.Tensor:
         """T tokens from checkpoint + ring; rollback of rejected ones is the commit's cursor move."""
-        return self._step(
+        return replay_step(
             self.ssm_state[layer], self.x_ring[layer], self.dt_ring[layer], self.b_ring[layer],
-            self.ring_start, self.history, self.is_flush, self._rows(slots), num_tokens,
-            x, dt, params.A, b, c, params.D, params.dt_bias, params.dt_limit,
+            self.ring_start, self.history, self.is_flush, slots, num_tokens,
+            x, dt, params.A, b, c, params.D, params.dt_bias, params.dt_limit, pad_slot=self._pad_slot,
         )
 
     def end_step(self, slots: torch.Tensor, num_accepted: torch.Tensor) -> None:
         super().end_step(slots, num_accepted)
-        self._commit(self.ring_start, self.history, self.is_flush, self._rows(slots), num_accepted,
-                     self.layout.ring_len)
-
-    def _rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """``slots`` as the references want them: the pad slot's rows as -1 (kernels: unchanged)."""
-        return slots if self._pad_slot is None else slots.masked_fill(slots == self._pad_slot, -1)
+        replay_commit(self.ring_start, self.history, self.is_flush, slots, num_accepted, self.layout.ring_len,
+                      pad_slot=self._pad_slot)

@@ -277,7 +277,7 @@ def test_prefix_caching_alone_picks_align_for_a_hybrid_model(tiny_model_dir: Pat
 
     from replayserve.builtin.tiny import make_tiny
 
-    with caplog.at_level(logging.INFO, logger="replayserve.build"):
+    with caplog.at_level(logging.INFO, logger="replayserve.config.options"):
         llm = LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", block_size=BS,
                   enable_prefix_caching=True)
     assert llm.config.mamba_cache_mode == "align"

@@ -14,18 +14,20 @@ from tests.conftest import assert_pools_full
 from tests.engine.test_prefix_cache import check_boundary_states
 
 
-def _recorded_materializations(llm: LLM) -> list[tuple[int, int]]:
+def _recorded_materializations(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """Wraps the backend's materialize op to record (dst slot, n) of every row it folds."""
+    import replayserve.ssm.replay as replay
+
     ssm = llm.engine.runner.ssm
     calls: list[tuple[int, int]] = []
-    inner = ssm._materialize
+    inner = replay.replay_materialize
 
     def recording(state, x_ring, dt_ring, b_ring, A, src, dst, start, n):  # noqa: ANN001, ANN202
         if state is ssm.ssm_state[0]:  # once per row, not once per layer
             calls.extend(zip(dst.tolist(), n.tolist(), strict=True))
         return inner(state, x_ring, dt_ring, b_ring, A, src, dst, start, n)
 
-    ssm._materialize = recording
+    monkeypatch.setattr(replay, "replay_materialize", recording)
     return calls
 
 
@@ -37,11 +39,11 @@ def _recorded_materializations(llm: LLM) -> list[tuple[int, int]]:
     (95, 18, [1, 1]),
 ])
 def test_replay_lengths_mid_ring_and_right_after_a_flush(tiny_model_dir: Path, prompt_len: int, decodes: int,
-                                                          expected: list[int]) -> None:
+                                                          expected: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
     llm = LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", block_size=16, max_num_seqs=2,
               max_model_len=160, max_num_batched_tokens=128, ssm_backend="replay", replay_window=16,
               enable_prefix_caching=True, mamba_cache_mode="all", num_mamba_cache_slots=16)
-    calls = _recorded_materializations(llm)
+    calls = _recorded_materializations(llm, monkeypatch)
     prompt = torch.randint(3, 500, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len)).tolist()
     # `decodes` sampled tokens: the first from the prefill, then one per decode step.
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=decodes,

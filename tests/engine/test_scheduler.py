@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
+from replayserve.builtin.tiny import tiny_config
 from replayserve.cache.manager import CacheManager
+from replayserve.config import ConfigError, EngineConfig
 from replayserve.engine.request import Request
 from replayserve.engine.scheduler import Scheduler, StepPlan
 from replayserve.sampling_params import SamplingParams
@@ -102,3 +106,11 @@ def test_finish_releases_blocks_and_slot() -> None:
     s.finish(s.unfinished["0"], "stop")
     assert s.cache.kv.num_free == 64 and s.cache.live.num_free == 4 and not s.has_unfinished()
     s.cache.check()
+
+
+def test_an_unknown_mamba_cache_mode_is_refused_as_engine_config_refuses_it() -> None:
+    with pytest.raises(ConfigError, match="engine option mamba_cache_mode: 'some'") as from_config:
+        EngineConfig(model=tiny_config(), enable_prefix_caching=True, mamba_cache_mode="some")
+    with pytest.raises(ConfigError) as from_scheduler:
+        Scheduler(4, 8, CacheManager(64, 4, 4), mamba_cache_mode="some")
+    assert str(from_scheduler.value) == str(from_config.value)

@@ -17,7 +17,7 @@ from replayserve import LLM, SamplingParams
 from replayserve.builtin.tiny import make_tiny
 from replayserve.engine.cuda_graph import capture_buckets
 from replayserve.layers.step_context import StepContext
-from replayserve.ssm.replay import ReplayBackend
+from replayserve.ops.dispatch import force_triton
 from tests.conftest import assert_pools_full
 
 pytestmark = pytest.mark.warmup  # keeps LLM's warm-up on CUDA (tests/conftest.py turns it off elsewhere)
@@ -159,37 +159,20 @@ def test_eager_steps_after_warm_up_launch_no_new_kernel_variant(moe_model_dir: P
     launches no key the warm-up did not. (The decode graphs' shapes are the test above's.)"""
     from triton.runtime.interpreter import InterpretedFunction
 
-    from replayserve.ops import replay_ssm_triton
-    from replayserve.ops.conv1d_triton import causal_conv1d_update_triton, causal_conv1d_verify_triton
-    from replayserve.ops.ssu_triton import selective_state_update_triton
-
-    def float_ok(x: torch.Tensor) -> bool:
-        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-
-    for module in ("ops.dtypes", "ops.copy_rows", "engine.runner", "layers.norm", "layers.mlp", "layers.attention",
-                   "ssm.backend"):
-        monkeypatch.setattr(f"replayserve.{module}.triton_ok", float_ok)
     launched: dict[tuple, str] = {}
     phase = ["warm-up"]
     monkeypatch.setattr(InterpretedFunction, "run", lambda kernel, *args, grid, warmup, **kwargs:
                         launched.setdefault(_launch_key(kernel, args, kwargs), phase[0]))
-    llm = LLM(model=str(moe_model_dir), dtype="float32", device="cpu", max_model_len=256, ssm_backend=backend,
-              **{"max_num_batched_tokens": 64, **extra})
-    vocab = llm.config.model.vocab_size  # the kernels leave their outputs unwritten: greedy tokens from zeros
-    monkeypatch.setattr(llm.engine.runner.model, "compute_logits", lambda hidden: hidden.new_zeros(len(hidden), vocab))
-    ssm = llm.engine.runner.ssm
-    ssm._conv_update, ssm._conv_verify = causal_conv1d_update_triton, causal_conv1d_verify_triton
-    if isinstance(ssm, ReplayBackend):
-        t = replay_ssm_triton
-        ssm._prepare, ssm._step = t.replay_prepare_triton, t.replay_step_triton
-        ssm._commit, ssm._materialize = t.replay_commit_triton, t.replay_materialize_triton
-    else:
-        ssm._update = selective_state_update_triton
-
-    llm.engine.warm_up()
-    phase[0] = "serving"
-    for seed in range(3):
-        _varied_workload(llm, seed)
+    with force_triton():
+        llm = LLM(model=str(moe_model_dir), dtype="float32", device="cpu", max_model_len=256, ssm_backend=backend,
+                  **{"max_num_batched_tokens": 64, **extra})
+        vocab = llm.config.model.vocab_size  # the kernels leave their outputs unwritten: greedy tokens from zeros
+        monkeypatch.setattr(llm.engine.runner.model, "compute_logits",
+                            lambda hidden: hidden.new_zeros(len(hidden), vocab))
+        llm.engine.warm_up()
+        phase[0] = "serving"
+        for seed in range(3):
+            _varied_workload(llm, seed)
     late = [key for key, seen in launched.items() if seen == "serving"]
     assert len(launched) > 20 and late == [], f"first launched while serving: {late}"
 

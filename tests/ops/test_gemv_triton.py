@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from replayserve.ops.gemv_triton import gemv_ref, gemv_triton
+from replayserve.ops.gemv import gemv_ref
+from replayserve.ops.gemv_triton import gemv_triton
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

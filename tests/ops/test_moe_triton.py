@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from replayserve.builtin.tiny import tiny_config
 from replayserve.layers.mlp import MoE
 from replayserve.ops.activation import relu_square_ref
+from replayserve.ops.dispatch import force_triton
 from replayserve.ops.moe import fused_moe_ref, topk_route_ref
 from replayserve.ops.moe_route_triton import (
     align_by_expert,
@@ -256,17 +257,15 @@ def test_a_folded_shared_expert_is_two_pseudo_experts_of_the_stacks() -> None:
 @pytest.mark.skipif(DEVICE == "cuda", reason="the CUDA test below runs this path for real")
 @pytest.mark.parametrize(("latent", "shared", "num_tokens"), [(False, 32, 5), (True, 32, 5), (False, 96, 5),
                                                               (False, 96, 40)])  # folded up to 32 tokens
-def test_moe_layer_triton_path_in_the_interpreter(latent: bool, shared: int, num_tokens: int,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_moe_layer_triton_path_in_the_interpreter(latent: bool, shared: int, num_tokens: int) -> None:
     """MoE.forward's Triton branch (router, stacks, latent projections, the shared expert added
     or folded in as pseudo-experts) on CPU."""
-    import replayserve.layers.mlp as mlp
-
-    monkeypatch.setattr(mlp, "triton_ok", lambda t: t.dtype == torch.float32)
     moe = _random_moe(latent, shared=shared).float()
     x = torch.randn(num_tokens, 64, generator=torch.Generator().manual_seed(5))
     want = _random_moe(latent, shared=shared).float().double()(x.double())
-    torch.testing.assert_close(moe(x).double(), want, atol=1e-4 * want.abs().max().item(), rtol=1e-4)
+    with force_triton():
+        got = moe(x)
+    torch.testing.assert_close(got.double(), want, atol=1e-4 * want.abs().max().item(), rtol=1e-4)
 
 
 @cuda_only

@@ -20,6 +20,7 @@ from replayserve.config import ModelConfig
 from replayserve.layers.attention import Attention
 from replayserve.layers.step_context import StepContext
 from replayserve.ops.attention import paged_attention_ref
+from replayserve.ops.dispatch import force_triton
 from replayserve.ops.prefill_attention_triton import paged_prefill_attention_triton
 from tests.ops.test_paged_attention_triton import make_batch
 
@@ -163,20 +164,17 @@ def _layer_step(seed: int, dtype: torch.dtype) -> tuple[Attention, Tensor, StepC
     return layer, hidden, ctx, caches
 
 
-def test_attention_layer_prefill_path_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_attention_layer_prefill_path_matches_reference() -> None:
     """Attention.forward on a mixed step: the Triton path (KV write + this kernel; on CPU in the
     interpreter) gives the float64 reference path's output and caches."""
-    import replayserve.layers.attention as attention
-
     layer, hidden, ctx, caches = _layer_step(3, torch.float64)
     want = layer(hidden, ctx, caches)
-    if not CUDA:
-        monkeypatch.setattr(attention, "triton_ok", lambda t: t.dtype == torch.float32)
     layer32, hidden32, ctx32, caches32 = _layer_step(3, torch.float32)
     dev_ctx = StepContext(**{f.name: (v.to(DEVICE) if isinstance(v := getattr(ctx32, f.name), Tensor) else v)
                              for f in dataclasses.fields(ctx32)})
     dev_caches = tuple(c.to(DEVICE) for c in caches32)
-    got = layer32.to(DEVICE)(hidden32.to(DEVICE), dev_ctx, dev_caches)
+    with force_triton():
+        got = layer32.to(DEVICE)(hidden32.to(DEVICE), dev_ctx, dev_caches)
     torch.testing.assert_close(got.double().cpu(), want, rtol=1e-4, atol=1e-5)
     for c32, c64 in zip(dev_caches, caches, strict=True):
         torch.testing.assert_close(c32.double().cpu(), c64, rtol=1e-6, atol=1e-6, equal_nan=True)

@@ -17,7 +17,7 @@ from replayserve.ops.replay_ssm import (
     replay_step_ref,
     ring_index,
 )
-from replayserve.ops.ssd import selective_state_update_ref
+from replayserve.ops.ssu import selective_state_update_ref
 
 F64 = torch.float64
 TOL = 1e-10

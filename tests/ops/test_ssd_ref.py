@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from replayserve.ops.ssd import selective_state_update_ref, ssd_chunk_scan_ref, ssd_varlen_scan_ref
+from replayserve.ops.ssd import ssd_chunk_scan_ref, ssd_varlen_scan_ref
+from replayserve.ops.ssu import selective_state_update_ref
 
 F64 = torch.float64
 TOL = 1e-10

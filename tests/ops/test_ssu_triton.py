@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from replayserve.ops.ssd import selective_state_update_ref
+from replayserve.ops.ssu import selective_state_update_ref
 from replayserve.ops.ssu_triton import selective_state_update_triton
 
 F64 = torch.float64

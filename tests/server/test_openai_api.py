@@ -184,6 +184,14 @@ def test_models_health_and_metrics(client: OpenAI, server: RunningServer) -> Non
     assert counter(after, name) - counter(before, name) == 5
     assert counter(after, "replayserve_time_to_first_token_seconds_count") > counter(
         before, "replayserve_time_to_first_token_seconds_count")
+    # The core's own TTFT: one more request, a positive time no longer than the front end's.
+    core_n = "replayserve_core_time_to_first_token_requests_total"
+    core_s = "replayserve_core_time_to_first_token_seconds"
+    assert counter(after, core_n) - counter(before, core_n) == 1
+    core_ttft = counter(after, core_s) - counter(before, core_s)
+    front_ttft = counter(after, "replayserve_time_to_first_token_seconds_sum") - counter(
+        before, "replayserve_time_to_first_token_seconds_sum")
+    assert 0 < core_ttft <= front_ttft
     for metric in ("replayserve_num_requests_running", "replayserve_num_requests_waiting",
                    "replayserve_prompt_tokens_total", "replayserve_inter_token_latency_seconds_bucket",
                    'replayserve_prefix_cache_hits_tokens_total{group="mamba"', "replayserve_prefix_cache_queries",

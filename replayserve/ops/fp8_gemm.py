@@ -1,0 +1,64 @@
+"""FP8 x FP8 GEMM through ``torch._scaled_mm`` (cuBLASLt on Hopper): the prefill and large-batch
+path of an FP8 Linear. The activations are quantized to FP8 with the checkpoint's static
+``input_scale`` (or, without one, a dynamic per-tensor scale computed on the device), multiplied by
+the FP8 weight with both scales applied in the epilogue, and written in 16-bit.
+
+``torch._scaled_mm`` (torch 2.13) asks, on CUDA: ``mat1`` (M, K) row-major and ``mat2`` (K, N)
+column-major, both float8; K and N multiples of 16 (M is free); per-tensor scales as one-element
+float32 tensors on the device; a bias in the output dtype (bf16 or fp16). A checkpoint's weight is
+(N, K) row-major, so ``weight.t()`` is the column-major ``mat2`` with no copy. Shapes it refuses go
+to the dequantizing path (``scaled_mm_fits`` says which). Nothing here reads a tensor back to the
+host, so a CUDA graph can capture it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from replayserve.ops.fp8 import FP8_DTYPE, fp8_scale, quantize_fp8
+
+SCALED_MM_MULTIPLE = 16  # cuBLASLt's FP8 GEMMs need K and N in multiples of 16
+
+
+def scaled_mm_fits(weight: Tensor) -> bool:
+    """Whether ``fp8_scaled_mm`` takes this (N, K) weight: float8_e4m3fn, row-major, K and N
+    multiples of 16."""
+    n, k = weight.shape
+    return (weight.dtype == FP8_DTYPE and weight.stride(1) == 1 and n % SCALED_MM_MULTIPLE == 0
+            and k % SCALED_MM_MULTIPLE == 0)
+
+
+def fp8_scaled_mm(x: Tensor, weight: Tensor, weight_scale: Tensor, input_scale: Tensor | None = None,
+                  bias: Tensor | None = None, out_dtype: torch.dtype | None = None) -> Tensor:
+    """``fp8_linear_ref(x, weight, weight_scale, s, bias)`` with ``s = input_scale``, or the
+    dynamic ``fp8_scale(x)`` when it is None, as one FP8 GEMM.
+
+    Arguments:
+        x: (..., K) bf16, fp16 or fp32 activations.
+        weight: (N, K) float8_e4m3fn, row-major; ``scaled_mm_fits(weight)`` must hold.
+        weight_scale, input_scale: one-element float32 per-tensor scales on x's device.
+        bias: (N,) or None; added in the epilogue in ``out_dtype`` (fp32 outputs add it after).
+        out_dtype: the result's dtype; x.dtype when None.
+
+    Returns:
+        (..., N) in ``out_dtype``.
+    """
+    if not scaled_mm_fits(weight):
+        raise ValueError(f"fp8_scaled_mm needs a row-major float8_e4m3fn weight with both dimensions multiples of "
+                         f"{SCALED_MM_MULTIPLE}; got {tuple(weight.shape)} {weight.dtype} with strides "
+                         f"{weight.stride()}: use the dequantizing path (fp8_linear_ref) for it")
+    n, k = weight.shape
+    if x.shape[-1] != k or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"x {tuple(x.shape)}, weight {(n, k)} and bias {None if bias is None else tuple(bias.shape)} "
+                         "do not match")
+    out_dtype = out_dtype or x.dtype
+    rows = x.reshape(-1, k)
+    scale_a = (fp8_scale(rows) if input_scale is None else input_scale).to(torch.float32).reshape(())
+    scale_b = weight_scale.to(torch.float32).reshape(())
+    epilogue_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
+    y = torch._scaled_mm(quantize_fp8(rows, scale_a).contiguous(), weight.t(), scale_a=scale_a, scale_b=scale_b,
+                         bias=bias.to(out_dtype) if epilogue_bias else None, out_dtype=out_dtype)
+    if bias is not None and not epilogue_bias:
+        y = y + bias.to(out_dtype)
+    return y.reshape(*x.shape[:-1], n)

@@ -1,0 +1,62 @@
+"""fp8_scaled_mm (torch._scaled_mm) against fp8_linear_ref in float64: static and dynamic input
+scales, bias in and after the epilogue, leading batch dimensions; on the CPU (torch 2.13 runs
+_scaled_mm there too) and on a GPU when there is one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replayserve.ops.fp8 import FP8_DTYPE, fp8_linear_ref, fp8_scale, quantize_fp8_per_tensor
+from replayserve.ops.fp8_gemm import fp8_scaled_mm, scaled_mm_fits
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+F64 = torch.float64
+# The output is rounded once to out_dtype: its relative step, plus fp32 summation order.
+TOL = {torch.bfloat16: 8e-3, torch.float16: 1e-3, torch.float32: 1e-5}
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double().cpu() - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("static", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_scaled_mm_matches_the_reference(out_dtype: torch.dtype, static: bool, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(int(static) + 2 * int(bias))
+    x = torch.randn(2, 5, 256, generator=gen).to(out_dtype)  # M = 10 rows: not a multiple of 16
+    w_q, w_s = quantize_fp8_per_tensor(torch.randn(96, 256, generator=gen) / 16)
+    x_scale = fp8_scale(x) * 0.75 if static else None  # static: below amax / 448, so the largest inputs saturate
+    b = torch.randn(96, generator=gen).to(out_dtype) if bias else None
+    got = fp8_scaled_mm(x.to(DEVICE), w_q.to(DEVICE), w_s.to(DEVICE), None if x_scale is None else x_scale.to(DEVICE),
+                        None if b is None else b.to(DEVICE))
+    assert got.shape == (2, 5, 96) and got.dtype == out_dtype
+    want = fp8_linear_ref(x.double(), w_q, w_s, fp8_scale(x) if x_scale is None else x_scale,
+                          None if b is None else b.double())
+    assert rel_err(got, want) < TOL[out_dtype]
+
+
+def test_without_an_input_scale_the_scale_is_the_activations_own() -> None:
+    """Dynamic quantization: scaling x scales the output exactly (the scale follows x's amax)."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(16, 64, generator=gen)
+    w_q, w_s = quantize_fp8_per_tensor(torch.randn(32, 64, generator=gen))
+    w_q, w_s = w_q.to(DEVICE), w_s.to(DEVICE)
+    y = fp8_scaled_mm(x.to(DEVICE), w_q, w_s, out_dtype=torch.float32)
+    y8 = fp8_scaled_mm(8 * x.to(DEVICE), w_q, w_s, out_dtype=torch.float32)
+    torch.testing.assert_close(y8, 8 * y, rtol=1e-6, atol=0)
+
+
+def test_scaled_mm_fits_names_the_constraints() -> None:
+    w = torch.zeros(32, 48, dtype=FP8_DTYPE)
+    assert scaled_mm_fits(w)
+    assert not scaled_mm_fits(torch.zeros(40, 48, dtype=FP8_DTYPE))  # N = 40
+    assert not scaled_mm_fits(torch.zeros(32, 40, dtype=FP8_DTYPE))  # K = 40
+    assert not scaled_mm_fits(w.t())  # column-major (N, K)
+    assert not scaled_mm_fits(torch.zeros(32, 48))
+    with pytest.raises(ValueError, match="multiples of 16.*fp8_linear_ref"):
+        fp8_scaled_mm(torch.zeros(1, 40), torch.zeros(32, 40, dtype=FP8_DTYPE), torch.ones(()))
+    with pytest.raises(ValueError, match="do not match"):
+        fp8_scaled_mm(torch.zeros(1, 32), w, torch.ones(()))
