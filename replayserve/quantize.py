@@ -37,7 +37,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from replayserve import __version__
 from replayserve.config import ATTENTION, MAMBA, ModelConfig
+from replayserve.layers.mlp import TopkRouter
 from replayserve.models.loader import checkpoint_files, iter_checkpoint
 from replayserve.models.nemotron_h import NemotronHForCausalLM
 from replayserve.models.quantization import (
@@ -69,8 +71,6 @@ def nemotron_h_default_excludes(cfg: ModelConfig) -> tuple[str, ...]:
 def _never_quantized(model: nn.Module) -> list[str]:
     """Modules ModelOpt lists as excluded although they are no Linears: embeddings, the Mamba
     convolutions and the MoE routers."""
-    from replayserve.layers.mlp import TopkRouter
-
     return [name for name, m in model.named_modules()
             if isinstance(m, nn.Embedding | nn.Conv1d | TopkRouter)]
 
@@ -78,8 +78,6 @@ def _never_quantized(model: nn.Module) -> list[str]:
 def _quantization_config(excluded: list[str]) -> tuple[dict, dict]:
     """(hf_quant_config.json, config.json quantization_config) for FP8 weights with dynamic
     activation scales, in ModelOpt's two spellings."""
-    from replayserve import __version__
-
     producer = {"name": "replayserve", "version": __version__}
     quant_file = {"producer": producer,
                   "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": excluded}}

@@ -34,7 +34,7 @@ import torch
 
 from replayserve.cache.memory import cache_bytes_for, check_cache_fit
 from replayserve.config import SCORE_ROWS, ConfigError, EngineConfig
-from replayserve.ops.attention import prefill_kernel_head_dim
+from replayserve.ops.attention_limits import prefill_kernel_head_dim
 from replayserve.ops.dtypes import compute_dtype
 
 logger = logging.getLogger(__name__)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from replayserve.layers.attention import Attention
 from replayserve.models.loader import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -227,8 +228,6 @@ def quantizable_modules(model: nn.Module) -> tuple[list[str], list[str]]:
     """(names of the model's Linear modules, names of its attention layers): the modules a
     ModelOpt checkpoint may quantize and the ones whose KV cache it may scale. Works on a model
     built on the meta device."""
-    from replayserve.layers.attention import Attention
-
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     attentions = [name for name, m in model.named_modules() if isinstance(m, Attention)]
     return linears, attentions

@@ -8,16 +8,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from replayserve.ops.attention_limits import SHORT_ROW, prefill_kernel_head_dim
 from replayserve.ops.dispatch import use_triton
 from replayserve.ops.dtypes import compute_dtype
-
-SHORT_ROW = 6  # at most this many query tokens (decode, verify of up to 5 drafts): batched on CUDA
-
-
-def prefill_kernel_head_dim(head_dim: int) -> bool:
-    """Whether ``paged_prefill_attention_triton`` takes `head_dim`: a power of two from 16 (the smallest
-    tensor-core product) to 256. Here, not beside the kernel, so that layers ask without importing Triton."""
-    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
 
 
 def write_kv_cache_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:

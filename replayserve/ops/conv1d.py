@@ -8,20 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from replayserve.ops.conv1d_checks import check_activation, check_pool
 from replayserve.ops.dispatch import use_triton
 from replayserve.ops.dtypes import compute_dtype
-
-
-def _check_activation(activation: str | None) -> None:
-    if activation not in ("silu", None):
-        raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
-
-
-def _check_pool(conv_state: Tensor, state_indices: Tensor, batch: int, dim: int, width: int) -> None:
-    if conv_state.shape[1:] != (dim, width - 1):
-        raise ValueError(f"conv_state must be (S, {dim}, {width - 1}), got {tuple(conv_state.shape)}")
-    if state_indices.shape != (batch,):
-        raise ValueError(f"state_indices must be ({batch},), got {tuple(state_indices.shape)}")
 
 
 def _apply_taps(taps: list[Tensor], weight: Tensor, bias: Tensor | None, activation: str | None) -> Tensor:
@@ -62,7 +51,7 @@ def causal_conv1d_ref(
         final_state: (D, K-1) in x.dtype, the last K-1 rows of u transposed;
             valid also when L < K - 1 (part of it then comes from conv_state).
     """
-    _check_activation(activation)
+    check_activation(activation)
     seqlen, dim = x.shape
     if weight.shape[0] != dim:
         raise ValueError(f"weight has {weight.shape[0]} channels, x has {dim}")
@@ -108,10 +97,10 @@ def causal_conv1d_update_ref(
         y: (B, D) in x.dtype; equals causal_conv1d_ref on the same token given
             the same state (identical operation order).
     """
-    _check_activation(activation)
+    check_activation(activation)
     batch, dim = x.shape
     width = weight.shape[1]
-    _check_pool(conv_state, state_indices, batch, dim, width)
+    check_pool(conv_state, state_indices, batch, dim, width)
     idx = state_indices.long()
     # Cast the stored state to x.dtype first so decode sees exactly the values
     # prefill would have seen in u.
@@ -146,10 +135,10 @@ def causal_conv1d_verify_ref(
         window: (B, D, K-1+T) in x.dtype, the stored inputs then the new ones: the conv state
             after the first j tokens of row b is ``window[b, :, j : j + K - 1]``.
     """
-    _check_activation(activation)
+    check_activation(activation)
     batch, tokens, dim = x.shape
     width = weight.shape[1]
-    _check_pool(conv_state, state_indices, batch, dim, width)
+    check_pool(conv_state, state_indices, batch, dim, width)
     window = torch.cat([conv_state[state_indices.long()].to(x.dtype), x.transpose(1, 2)], dim=-1)
     cdt = compute_dtype(x.dtype)
     wc = window.to(cdt)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from replayserve.ops.conv1d import _check_activation, _check_pool
+from replayserve.ops.conv1d_checks import check_activation, check_pool
 
 
 @triton.jit
@@ -128,13 +128,13 @@ def _launch(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor | None, 
 
 def _check(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor | None, state_indices: Tensor,
            activation: str | None) -> None:
-    _check_activation(activation)
+    check_activation(activation)
     dim = x.shape[-1]
     if weight.shape[0] != dim or weight.shape[1] < 2:
         raise ValueError(f"weight must be ({dim}, K) with K >= 2, got {tuple(weight.shape)}")
     if bias is not None and bias.shape != (dim,):
         raise ValueError(f"bias must be ({dim},), got {tuple(bias.shape)}")
-    _check_pool(conv_state, state_indices, x.shape[0], dim, weight.shape[1])
+    check_pool(conv_state, state_indices, x.shape[0], dim, weight.shape[1])
 
 
 def causal_conv1d_update_triton(

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from replayserve.ops.conv1d import _check_activation
+from replayserve.ops.conv1d_checks import check_activation
 
 
 # The step's token count is not specialised on (== 1, divisible by 16): a compile per kind of count
@@ -136,7 +136,7 @@ def causal_conv1d_varlen_triton(
     Returns:
         y: (T, D) in x.dtype.
     """
-    _check_activation(activation)
+    check_activation(activation)
     total, dim = x.shape
     width = weight.shape[1]
     nseq = state_slots.shape[0]

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from replayserve.ops.attention import SHORT_ROW
+from replayserve.ops.attention_limits import SHORT_ROW
 
 
 @triton.jit

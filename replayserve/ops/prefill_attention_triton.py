@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from replayserve.ops.attention import prefill_kernel_head_dim
+from replayserve.ops.attention_limits import prefill_kernel_head_dim
 
 LOG2_E = math.log2(math.e)
 
