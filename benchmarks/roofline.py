@@ -139,7 +139,7 @@ def decode_ops(model: NemotronHForCausalLM, backend: str, window: int, context_l
 
 def floors(ops: list[Op], rates: dict[str, float]) -> dict[str, float]:
     """'bytes_s': all bytes at copy bandwidth; 'ops_s': each op at max(bytes / bandwidth,
-    FLOPs / matmul rate) (performance-targets.md's step roofline)."""
+    FLOPs / matmul rate) (docs/performance-targets.md's step roofline)."""
     bw, mm = rates["copy_bytes_per_s"], rates["matmul_flop_per_s"]
     return {"bytes_s": sum(op.bytes for op in ops) / bw,
             "ops_s": sum(max(op.bytes / bw, op.flops / mm) for op in ops)}

@@ -28,6 +28,23 @@ def pytest_report_header() -> str | None:
     return "tests/server left out: the server extra is not installed" if collect_ignore else None
 
 
+# Tests marked `slow` (the longest on 2 CPU cores: 4-rank tensor parallelism, benchmark smoke runs,
+# server shutdown timings, interpreter drives of long kernel sequences, distribution checks) are
+# deselected by default so that a developer's run stays under 8 minutes; CI and GPU runs pass
+# --run-slow and run everything.
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true", help="also run the tests marked slow (CI does)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--run-slow"):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
 @pytest.fixture(autouse=True)
 def _llm_warms_up_only_where_tested(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA every `LLM` warms up (every decode graph, every kernel variant: seconds each) and

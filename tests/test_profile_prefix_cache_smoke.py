@@ -5,11 +5,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import profile_prefix_cache  # noqa: E402
 
 
+@pytest.mark.slow
 def test_profile_prefix_cache_cpu_smoke() -> None:
     out = profile_prefix_cache.main(["--backends", "replay", "--requests", "2", "--prefix", "48", "--rows", "3"])
     modes = out["replay"]

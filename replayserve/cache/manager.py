@@ -8,7 +8,7 @@ cached, a separate pool of boundary slots holds canonical states on a coarser gr
 that ends there (it fingerprints the whole prefix).
 
 A prefix hit of ``p`` tokens needs every KV block of ``[0, p)`` and a boundary state at ``p``
-(design: ``shared/docs/prefix-cache.md`` §2); it never covers a request's last known token.
+(design: ``docs/prefix-cache.md``, Lookup); it never covers a request's last known token.
 """
 
 from __future__ import annotations

@@ -108,8 +108,8 @@ def _replay_flush_kernel(
 
 
 # Launch options; programs per SM times the SM count is the grid. The fastest of ten candidates on
-# the H100 (docs/performance.md): an all-flush step at 256 rows (W = 32) took 1349 us against 3276 us
-# for the fold fused into the step kernel.
+# the H100 (docs/perf-log/2026-12-06-replayssm-window-and-flush.md): an all-flush step at 256 rows
+# (W = 32) took 1349 us against 3276 us for the fold fused into the step kernel.
 FLUSH_CONFIG = {"BLOCK_P": 64, "FOLD_N": 32, "num_warps": 4, "STAGES": 3, "programs_per_sm": 4, "PRECISION": "tf32x3"}
 
 

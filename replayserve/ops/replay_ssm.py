@@ -1,7 +1,7 @@
 """Reference ReplaySSM ops, Mode B: a checkpoint, exact rings R = W + T of (x, Δ, B), and cursors.
 
-Contract: docs/replayssm-contract.md. Algorithm: ../shared/docs/replayssm.md §1 (unrolled
-fold/readout), §3 (cursors, verify, commit), §4 (materialization). Shapes are per Mamba layer:
+Contract: docs/replayssm-contract.md. Algorithm: docs/replayssm.md (The recurrence: the unrolled
+fold/readout; Cursors: verify, commit; Boundary states: materialization). Shapes are per Mamba layer:
     state    (S, H, P, N)  state dtype; the checkpoint S0 of every slot
     x_ring   (S, H, R, P)  activation dtype
     dt_ring  (S, H, R)     state dtype; processed Δ = clamp(softplus(dt + dt_bias), *dt_limit)

@@ -2,7 +2,7 @@
 ``replayserve.ops.replay_ssm`` (the cursor kernels, prepare and commit, are in
 ``replay_cursors_triton`` and re-exported here).
 
-Contract: ``docs/replayssm-contract.md``; algorithm: ``shared/docs/replayssm.md`` §3-§4.
+Contract: ``docs/replayssm-contract.md``; algorithm: ``docs/replayssm.md`` (Cursors, The flush).
 
 A step is two launches. ``_replay_scores_kernel``, one program per (group, row), appends the
 window's B to the ring and writes the fp32 products B_j . C_t for the row's history entries and

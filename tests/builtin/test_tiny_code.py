@@ -46,6 +46,7 @@ def test_heldout_perplexity_is_the_one_training_recorded(llm: LLM) -> None:
     assert ppl < 0.1 * llm.config.model.vocab_size  # far from an untrained model's ~vocab_size
 
 
+@pytest.mark.slow
 def test_greedy_bodies_of_heldout_function_headers_are_python(llm: LLM) -> None:
     recorded = eval_results(TINY_CODE_DIR)["function_headers"]
     headers = function_headers(heldout_texts(TINY_CODE_DIR), recorded["count"])

@@ -6,11 +6,14 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import bench_tp  # noqa: E402
 
 
+@pytest.mark.slow
 def test_bench_tp_cpu_smoke(tmp_path: Path) -> None:
     rows = bench_tp.main(["--device", "cpu", "--size", "tiny", "--tp", "1", "2", "--batch", "1", "3",
                           "--prompt-len", "8", "--steps", "2", "--warmup", "1", "--repeats", "1",

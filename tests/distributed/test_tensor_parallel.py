@@ -32,8 +32,8 @@ MTP_SPEC = {"method": "mtp", "num_speculative_tokens": 2}
 CASES = [
     ("plain", 2, "baseline", "align", NGRAM),
     ("groups3_mtp", 2, "replay", "all", MTP_SPEC),
-    ("odd_vocab_mtp", 4, "baseline", "all", MTP_SPEC),
-    ("plain", 4, "replay", "align", None),
+    pytest.param(("odd_vocab_mtp", 4, "baseline", "all", MTP_SPEC), marks=pytest.mark.slow),
+    pytest.param(("plain", 4, "replay", "align", None), marks=pytest.mark.slow),
 ]
 
 

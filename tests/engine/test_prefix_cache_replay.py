@@ -1,6 +1,6 @@
 """ReplaySSM with mamba_cache_mode='all': decode boundaries are materialized from the checkpoint
 plus the committed ring, with replay lengths pinned to the design doc's worked examples
-(``shared/docs/prefix-cache.md`` §4: block 16, window 16, T = 1)."""
+(``docs/prefix-cache.md``, Canonical state: block 16, window 16, T = 1)."""
 
 from __future__ import annotations
 

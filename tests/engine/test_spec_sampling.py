@@ -44,6 +44,7 @@ def _distribution(llm: LLM, prompt: list[int]) -> list[float]:
     return probs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["baseline", "replay"])
 def test_spec_sampling_matches_the_target_joint_distribution(tmp_path_factory: pytest.TempPathFactory,
                                                              backend: str) -> None:

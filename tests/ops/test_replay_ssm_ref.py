@@ -246,7 +246,8 @@ def test_random_rollback_with_padded_rows(shape: tuple[int, int, int, int], W: i
 
 
 def test_cursor_trace_of_design_doc() -> None:
-    """§3.5: W = 4, T = 2, R = 6, n = 2 every step; the pool is tiny so appends are visible."""
+    """The trace in docs/replayssm.md (Cursors): W = 4, T = 2, R = 6, n = 2 every step; the pool is
+    tiny so appends are visible."""
     h = Harness((1, 1, 1, 1), 4, 2, real=[0], num_slots=1, seed=3)
     pool, p = h.pool, h.p
     replay_reset_slot_ref(*pool.cursors(), torch.tensor([0]))

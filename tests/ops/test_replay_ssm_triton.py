@@ -29,7 +29,9 @@ POOL, LIVE = 6, 3  # slots in the pool; live requests (the rest are free: materi
 
 # (window W, tokens T, dt_limit)
 DRIVES = [(1, 1, (0.0, math.inf)), (4, 1, (0.05, 1.5)), (4, 4, (0.0, math.inf))]
-CASES = [pytest.param(DRIVES[i], SMALL, torch.float32, id=f"W{DRIVES[i][0]}-T{DRIVES[i][1]}-small-f32")
+# In the interpreter the W = 4 drives take 20-30 s each: slow there (the GPU runs them all quickly).
+CASES = [pytest.param(DRIVES[i], SMALL, torch.float32, id=f"W{DRIVES[i][0]}-T{DRIVES[i][1]}-small-f32",
+                      marks=[pytest.mark.slow] if i and not CUDA else [])
          for i in range(len(DRIVES))]
 if CUDA:
     CASES += [pytest.param(d, shape, dt, id=f"W{d[0]}-T{d[1]}-{name}-{str(dt)[6:]}")

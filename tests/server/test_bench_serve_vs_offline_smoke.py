@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_serve_vs_offline  # noqa: E402
 
 
+@pytest.mark.slow
 def test_bench_serve_vs_offline_cpu_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     threads = torch.get_num_threads()
     try:

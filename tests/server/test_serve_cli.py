@@ -64,7 +64,8 @@ def _running_and_finished(base_url: str) -> tuple[float, float]:
     return running, finished
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
+                         ids=["SIGTERM", "SIGINT"])
 def test_a_signal_mid_load_finishes_in_flight_requests_and_exits_0(tiny_model_dir: Path, sig: int) -> None:
     proc, base_url = _start(tiny_model_dir)
     try:
@@ -94,6 +95,7 @@ def test_a_signal_mid_load_finishes_in_flight_requests_and_exits_0(tiny_model_di
             proc.wait()
 
 
+@pytest.mark.slow
 def test_requests_past_the_shutdown_timeout_end_with_an_error_not_a_cut(tiny_model_dir: Path) -> None:
     """A stream gets an error event and [DONE]; a whole response gets OpenAI's error body; exit 0."""
     proc, base_url = _start(tiny_model_dir, shutdown_timeout=1)
@@ -120,6 +122,7 @@ def test_requests_past_the_shutdown_timeout_end_with_an_error_not_a_cut(tiny_mod
     assert response.status_code == 500 and "did not finish within 1 s" in response.json()["error"]["message"]
 
 
+@pytest.mark.slow
 def test_an_idle_connection_stays_open_past_httpx_s_keep_alive_expiry(tiny_model_dir: Path) -> None:
     """Issue 38's cut streams: uvicorn closes an idle connection after 5 s, which is also how long an
     httpx pool keeps one, so a client could send its next request just as the server closed the
