@@ -223,10 +223,11 @@ class EngineConfig:
     def resolved_replay_window(self) -> int:
         """W: replay_window, else 32 for plain decode and 16 with speculative decoding.
 
-        A flush rewrites the checkpoint once every W tokens, and a flushing program costs about three
-        times a plain one, so a longer window flushes less often: 32 gave plain decode 2-4% more
-        throughput at batch 128-256 than 16 and the same at batch 1 (H100, Nemotron-H-8B shape,
-        docs/performance.md). Verify steps keep the window they were measured with.
+        A flush rewrites the checkpoint once every W tokens; with the flush in its own kernel, W = 32
+        and W = 16 (the fold fused into the step kernel) ran plain decode equally fast within 0.5% at
+        batch 128-256 on the H100 (Nemotron-H-8B shape; an earlier 2-4% gain for 32 was a timing
+        artefact: docs/perf-log/2026-12-06-replayssm-window-and-flush.md), and 32 stayed. Verify
+        steps keep the window they were measured with.
         """
         if self.replay_window is not None:
             return self.replay_window
