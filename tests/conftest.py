@@ -9,6 +9,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import functools  # noqa: E402
 import importlib.util  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -55,6 +56,9 @@ def _llm_warms_up_only_where_tested(request: pytest.FixtureRequest, monkeypatch:
 
     build = LLM.__init__
 
+    # wraps keeps LLM.__init__'s signature, defaults and hints for the tests that read them (on CUDA
+    # test_options saw this wrapper's instead and failed).
+    @functools.wraps(build)
     def without_warm_up(self, *args, warmup: bool = False, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
         build(self, *args, warmup=warmup, **kwargs)
 
