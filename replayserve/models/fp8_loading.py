@@ -16,12 +16,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+import torch
 from torch import Tensor, nn
 
 from replayserve.layers.fp8_linear import FP8Linear
 from replayserve.layers.mlp import MoE
 from replayserve.models.quantization import QuantConfig, QuantizedTensors, check_quantized_tensors, quantizable_modules
-from replayserve.ops.fp8 import FP8_DTYPE, dequantize_fp8
+from replayserve.ops.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8_per_tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +69,36 @@ def prepare_fp8_model(model: nn.Module, quant: QuantConfig, header: Mapping[str,
     experts = _moe_expert_prefixes(model)
     dequantized = frozenset(m for m in found.linears if m.startswith(experts))
     for module in found.linears:
-        if module in dequantized:
-            continue
-        parent_name, _, child = module.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        linear = getattr(parent, child)
-        setattr(parent, child, FP8Linear.replacing(linear, found.static_activations))
+        if module not in dequantized:
+            _swap_in(model, module, found.static_activations)
     return FP8Plan(found, dequantized)
+
+
+def _swap_in(model: nn.Module, module: str, static_input_scale: bool) -> tuple[nn.Linear, FP8Linear]:
+    """Puts an FP8Linear of the Linear ``module``'s shape in its place; returns (the Linear, the FP8Linear)."""
+    parent_name, _, child = module.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    linear = getattr(parent, child)
+    fp8 = FP8Linear.replacing(linear, static_input_scale)
+    setattr(parent, child, fp8)
+    return linear, fp8
+
+
+@torch.no_grad()
+def quantize_model_fp8(model: nn.Module, quant: QuantConfig) -> list[str]:
+    """In memory, what ``replayserve quantize`` and loading its output do to a loaded 16/32-bit
+    model: every Linear ``quant`` does not exclude, MoE experts aside, becomes an FP8Linear holding
+    ``quantize_fp8_per_tensor`` of its weight, with no input_scale (activations scaled per call).
+    Each 16-bit weight is freed as its FP8 copy is made. For benchmarks on random weights.
+    Returns the names of the modules quantized."""
+    linears, _ = quantizable_modules(model)
+    experts = _moe_expert_prefixes(model)
+    chosen = [m for m in linears if not quant.is_excluded(m) and not m.startswith(experts)]
+    for module in chosen:
+        linear, fp8 = _swap_in(model, module, static_input_scale=False)
+        weight, scale = quantize_fp8_per_tensor(linear.weight)
+        fp8.weight.copy_(weight)
+        fp8.weight_scale.copy_(scale)
+        if linear.bias is not None:
+            fp8.bias.data = linear.bias.data
+    return chosen
