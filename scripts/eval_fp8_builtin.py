@@ -1,6 +1,6 @@
-"""Accuracy of the built-in model quantized to FP8 against itself in 16/32-bit, with the checks its
-training recorded (``builtin/tiny_code.py``): held-out perplexity (``eval.json``'s files and window)
-and greedy agreement over 64 held-out ``def`` headers.
+"""Accuracy of the built-in model with FP8 weights, an FP8 KV cache and both, against itself in
+16/32-bit, with the checks its training recorded (``builtin/tiny_code.py``): held-out perplexity
+(``eval.json``'s files and window) and greedy agreement over 64 held-out ``def`` headers.
 
     python scripts/eval_fp8_builtin.py [--device cuda] [--dtype bfloat16] [--fp8-dir DIR]
 
@@ -31,10 +31,10 @@ from replayserve.quantize import quantize_checkpoint
 PROMPTS, MAX_TOKENS = 64, 32
 
 
-def measure(model_dir: Path, device: str, dtype: str) -> tuple[float, list[list[int]]]:
+def measure(model_dir: Path, device: str, dtype: str, kv_cache_dtype: str = "auto") -> tuple[float, list[list[int]]]:
     """(held-out perplexity, greedy tokens of each held-out header) of one checkpoint."""
     texts, recorded = heldout_texts(TINY_CODE_DIR), eval_results(TINY_CODE_DIR)["heldout_perplexity"]
-    llm = LLM(str(model_dir), device=device, dtype=dtype, warmup=False)
+    llm = LLM(str(model_dir), device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, warmup=False)
     windows = perplexity_windows(llm, texts, recorded["files"], recorded["tokens_per_file"])
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     outs = llm.generate(function_headers(texts, PROMPTS), params, use_tqdm=False)
@@ -53,15 +53,19 @@ def main() -> None:
         if args.fp8_dir is None:
             quantize_checkpoint(TINY_CODE_DIR, fp8_dir)
         ppl, tokens = measure(TINY_CODE_DIR, args.device, args.dtype)
-        ppl8, tokens8 = measure(fp8_dir, args.device, args.dtype)
+        print(f"device {args.device}, dtype {args.dtype}: held-out perplexity {ppl:.3f}")
+        runs = (("FP8 weights", fp8_dir, "auto"), ("FP8 KV cache (scale 1.0)", TINY_CODE_DIR, "fp8"),
+                ("FP8 weights + FP8 KV cache", fp8_dir, "fp8"))
+        for label, model_dir, kv in runs:
+            report(label, ppl, tokens, *measure(model_dir, args.device, args.dtype, kv))
+
+
+def report(label: str, ppl: float, tokens: list[list[int]], ppl8: float, tokens8: list[list[int]]) -> None:
     pairs = list(zip(tokens, tokens8, strict=True))
     same_tokens = sum(a == b for x, y in pairs for a, b in zip(x, y, strict=True)) / (len(pairs) * MAX_TOKENS)
-    print(f"device {args.device}, dtype {args.dtype}: held-out perplexity {ppl:.3f} -> FP8 {ppl8:.3f} "
-          f"({100 * (ppl8 / ppl - 1):+.2f}%)")
-    print(f"greedy agreement over {len(pairs)} held-out headers x {MAX_TOKENS} tokens: first token "
-          f"{sum(x[0] == y[0] for x, y in pairs) / len(pairs):.0%}, tokens {same_tokens:.0%}, whole completions "
-          f"{sum(x == y for x, y in pairs) / len(pairs):.0%}")
-
+    print(f"{label}: perplexity {ppl8:.3f} ({100 * (ppl8 / ppl - 1):+.2f}%); greedy agreement over {len(pairs)} "
+          f"held-out headers x {MAX_TOKENS} tokens: first token {sum(x[0] == y[0] for x, y in pairs) / len(pairs):.0%}"
+          f", tokens {same_tokens:.0%}, whole completions {sum(x == y for x, y in pairs) / len(pairs):.0%}")
 
 if __name__ == "__main__":
     main()

@@ -71,6 +71,8 @@ def prepare_fp8_model(model: nn.Module, quant: QuantConfig, header: Mapping[str,
     for module in found.linears:
         if module not in dequantized:
             _swap_in(model, module, found.static_activations)
+    for attention, scales in found.kv_cache.items():  # read once here: the kernels take them as numbers
+        model.get_submodule(attention).kv_scales = (float(scales.k_scale), float(scales.v_scale))
     return FP8Plan(found, dequantized)
 
 

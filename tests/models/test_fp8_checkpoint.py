@@ -156,3 +156,32 @@ def test_a_broken_scale_fails_at_load_naming_the_tensor(tmp_path: Path, name: st
 def test_fp8_checkpoints_refuse_tensor_parallelism_by_name() -> None:
     with pytest.raises(CheckpointError, match="tensor_parallel_size 1"):
         load_model(FIXTURE, torch.float32, torch.device("cpu"), rank=0, world_size=2)
+
+
+def test_an_fp8_kv_cache_takes_the_checkpoints_scales_and_every_mode_agrees_on_it() -> None:
+    stored = load_file(str(FIXTURE / "model.safetensors"))
+    work = prompts(16, seed=5)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    llm = LLM(str(FIXTURE), dtype="float64", device="cpu", warmup=False, kv_cache_dtype="fp8")
+    runner = llm.engine.runner
+    assert all(k.dtype == v.dtype == FP8_DTYPE for k, v in runner.kv_caches)
+    attention = runner.model.backbone.layers[1].mixer
+    assert attention.kv_scales == (stored["backbone.layers.1.mixer.k_proj.k_scale"].item(),
+                                   stored["backbone.layers.1.mixer.v_proj.v_scale"].item())
+    fp8_kv = [o.outputs[0].token_ids for o in llm.generate(work, params, use_tqdm=False)]
+    other = LLM(str(FIXTURE), dtype="float64", device="cpu", warmup=False, kv_cache_dtype="fp8", ssm_backend="replay",
+                enable_prefix_caching=True, mamba_cache_mode="all", mamba_block_size=8, block_size=8)
+    for _ in range(2):
+        assert [o.outputs[0].token_ids for o in other.generate(work, params, use_tqdm=False)] == fp8_kv
+    exact = LLM(str(FIXTURE), dtype="float64", device="cpu", warmup=False)
+    same = sum(a == b for o, fp8 in zip(exact.generate(work, params, use_tqdm=False), fp8_kv, strict=True)
+               for a, b in zip(o.outputs[0].token_ids, fp8, strict=True)) / (len(work) * 12)
+    print(f"\ngreedy tokens equal with an FP8 KV cache vs a float64 one: {same:.0%}")
+    assert same >= 0.6
+
+
+def test_kv_cache_dtype_takes_auto_or_fp8() -> None:
+    from replayserve.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"engine option kv_cache_dtype: 'fp16' is not one of \('auto', 'fp8'\)"):
+        LLM(str(FIXTURE), dtype="float32", device="cpu", warmup=False, kv_cache_dtype="fp16")
