@@ -13,6 +13,8 @@ FP8 caches yet: those steps run the dense ops (decode; no host sync, graph-safe)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -213,6 +215,19 @@ def to_fp8_cache(x: Tensor, cache_scale: float) -> Tensor:
     return (x.to(torch.float32) * (1.0 / cache_scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
+def _write_fp8_kv(write: Callable[..., None], k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                  slot_mapping: Tensor, k_scale: float, v_scale: float) -> None:
+    """``write`` (a KV-cache write op) of the step's K and V rounded into FP8 caches, moved as bytes:
+    float8 has no index_copy_ kernel."""
+    write(to_fp8_cache(k, k_scale).view(torch.uint8), to_fp8_cache(v, v_scale).view(torch.uint8),
+          k_cache.view(torch.uint8), v_cache.view(torch.uint8), slot_mapping)
+
+
+def _times(out: Tensor, v_scale: float) -> Tensor:
+    """Attention over ``v / v_scale`` brought back to the values' scale."""
+    return out if v_scale == 1.0 else (out.to(compute_dtype(out.dtype)) * v_scale).to(out.dtype)
+
+
 def write_kv_and_attend_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                                slot_mapping: Tensor, block_tables: Tensor, query_start_loc: Tensor,
                                seq_lens: Tensor, scale: float, width: int, k_scale: float = 1.0,
@@ -224,11 +239,8 @@ def write_kv_and_attend_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor,
     its whole block table); elsewhere, and for an FP8 cache (k_scale, v_scale: its scales), the
     dense ops. Returns (T, Hq, Dh) in q.dtype."""
     if k_cache.dtype == FP8_DTYPE:
-        # index_copy_ has no float8 kernel: the bytes are copied as uint8
-        write_kv_cache_dense(to_fp8_cache(k, k_scale).view(torch.uint8), to_fp8_cache(v, v_scale).view(torch.uint8),
-                             k_cache.view(torch.uint8), v_cache.view(torch.uint8), slot_mapping)
-        out = decode_attention_dense(q, k_cache, v_cache, block_tables, seq_lens, scale * k_scale)
-        return out if v_scale == 1.0 else (out.to(compute_dtype(q.dtype)) * v_scale).to(q.dtype)
+        _write_fp8_kv(write_kv_cache_dense, k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return _times(decode_attention_dense(q, k_cache, v_cache, block_tables, seq_lens, scale * k_scale), v_scale)
     if use_triton(q, None):
         from replayserve.ops.paged_attention_triton import paged_decode_attention_triton, write_kv_cache_triton
 
@@ -249,9 +261,9 @@ def write_kv_and_attend(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cach
     the references, which also serve an FP8 cache (k_scale, v_scale: its scales). Returns (T, Hq,
     Dh) in q.dtype."""
     if k_cache.dtype == FP8_DTYPE:
-        write_kv_cache_ref(to_fp8_cache(k, k_scale), to_fp8_cache(v, v_scale), k_cache, v_cache, slot_mapping)
-        out = paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale * k_scale)
-        return out if v_scale == 1.0 else (out.to(compute_dtype(q.dtype)) * v_scale).to(q.dtype)
+        _write_fp8_kv(write_kv_cache_ref, k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return _times(paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                                          scale * k_scale), v_scale)
     if use_triton(q) and prefill_kernel_head_dim(q.shape[-1]):
         from replayserve.ops.paged_attention_triton import write_kv_cache_triton
         from replayserve.ops.prefill_attention_triton import paged_prefill_attention_triton
