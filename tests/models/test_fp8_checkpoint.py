@@ -185,3 +185,18 @@ def test_kv_cache_dtype_takes_auto_or_fp8() -> None:
 
     with pytest.raises(ConfigError, match=r"engine option kv_cache_dtype: 'fp16' is not one of \('auto', 'fp8'\)"):
         LLM(str(FIXTURE), dtype="float32", device="cpu", warmup=False, kv_cache_dtype="fp16")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernels' path: CUDA")
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_on_cuda_the_kernels_path_follows_the_cpu_reference(kv_cache_dtype: str) -> None:
+    """bf16 with CUDA graphs: the FP8 GEMV (decode rows), _scaled_mm or the reference (prefill), the
+    FP8 KV cache; greedy tokens against the CPU float32 reference of the same checkpoint."""
+    work = prompts(32, seed=7)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    runs = [LLM(str(FIXTURE), dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype).generate(work, params,
+                                                                                                 use_tqdm=False)
+            for dtype, device in (("bfloat16", "cuda"), ("float32", "cpu"))]
+    first = sum(a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0] for a, b in zip(*runs, strict=True))
+    print(f"\nCUDA bf16 vs CPU float32, kv_cache_dtype={kv_cache_dtype}: first greedy token equal for {first}/32")
+    assert first >= 24
