@@ -16,12 +16,16 @@ at copy bandwidth, "+FLOPs" takes each projection at max(bytes, FLOPs) time.
 Prefill: `--prefill-prompts` prompts of `--prefill-len` tokens served to their first token (tokens/s,
 MFU against the measured matmul rate), and the time to first token of one `--ttft-len` prompt.
 `--hf` adds Hugging Face transformers' NemotronH on the same weights (decode steps timed inside
-`generate`). Rows that do not fit in device memory are skipped. Each engine's KV blocks and Mamba
+`generate`). `--quantization none fp8` runs every row twice in one run: on the 16-bit weights,
+then with the Linears quantized to FP8 in memory as `replayserve quantize` and loading would
+(NVIDIA's exclusions, MoE experts 16-bit, activations scaled per call; backends named `+fp8`).
+Rows that do not fit in device memory are skipped. Each engine's KV blocks and Mamba
 slots are sized for its batch and lengths, and freed before the next row.
 
     python benchmarks/bench_e2e.py --device cuda --size nemotron-h-8b --hf --out DIR   # H200: ~2 min
         [--batch 1 16 64 256 512 --repeats 5]                                         # ~3.5 min
     python benchmarks/bench_e2e.py --device cpu --size small     # float32, under a minute
+    python benchmarks/bench_e2e.py --device cuda --size nemotron-h-8b --quantization none fp8   # bf16 vs FP8
 
 Backend names: `baseline` or `replay` (the SSM backend), `-eager` runs decode without CUDA
 graphs, `-async` with async scheduling (the host plans and launches step N + 1 while the GPU
@@ -61,11 +65,15 @@ from replayserve.config import EngineConfig  # noqa: E402
 from replayserve.engine.engine import Engine  # noqa: E402
 from replayserve.engine.request import Status  # noqa: E402
 from replayserve.layers.mlp import MoE  # noqa: E402
+from replayserve.models.fp8_loading import quantize_model_fp8  # noqa: E402
 from replayserve.models.nemotron_h import NemotronHForCausalLM  # noqa: E402
+from replayserve.models.quantization import QuantConfig  # noqa: E402
+from replayserve.quantize import nemotron_h_default_excludes  # noqa: E402
 from replayserve.sampling_params import SamplingParams  # noqa: E402
 from replayserve.ssm.layout import MambaLayout  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZATIONS = ("none", "fp8")
 BACKENDS = ("baseline", "replay", "baseline-eager", "replay-eager", "baseline-async", "replay-async")
 GiB = 1 << 30
 
@@ -102,6 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1,
                    help="CPU intra-op threads: the CPU path's small ops run fastest on one, and spinning "
                         "OpenMP threads on a busy machine make steps several times slower")
+    p.add_argument("--quantization", nargs="+", choices=QUANTIZATIONS, default=["none"],
+                   help="weights to time, in this order: none (the dtype's) and/or fp8 (quantized in memory)")
     p.add_argument("--out", type=Path, help="directory for bench_e2e.json and bench_e2e.png")
     args = p.parse_args(argv)
     cuda = args.device.startswith("cuda")
@@ -113,6 +123,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, name, gpu if cuda else cpu)
     if cuda and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA device")
+    # The FP8 rows quantize the model in place, so the 16-bit rows go first whatever the order given.
+    args.quantization = [q for q in QUANTIZATIONS if q in args.quantization]
     return args
 
 
@@ -422,6 +434,41 @@ def hf_rows(model: NemotronHForCausalLM, args: argparse.Namespace) -> list[dict]
     return rows
 
 
+def weights_gb(model: NemotronHForCausalLM) -> float:
+    return sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
+
+
+def timed_rows(model: NemotronHForCausalLM, args: argparse.Namespace, rates: dict[str, float], result: dict,
+               tag: str, save: Callable[[], None]) -> None:
+    """Every decode row (batch x backend) and prefill row of one set of weights, their backends named
+    with `tag` appended ('+fp8'), into result's lists."""
+    device = model.lm_head.weight.device
+    for batch in [] if args.skip_decode else args.batch:
+        for backend in args.backends:
+            try:
+                row = decode_row(model, args, backend, batch, rates)
+            except torch.OutOfMemoryError:
+                free_memory(device)
+                row = {"backend": backend, "batch": batch, "skipped": "out of device memory"}
+            except RuntimeError as e:  # a broken row must not lose the others
+                traceback.print_exc()
+                print(f"decode {backend}{tag} batch {batch} FAILED: {e}", file=sys.stderr)
+                row = {"backend": backend, "batch": batch, "skipped": f"FAILED: {e}"}
+            result["decode"].append({**row, "backend": backend + tag})
+            print(f"done decode {backend}{tag} batch {batch}", file=sys.stderr, flush=True)
+            save()
+    for backend in [] if args.skip_prefill else args.backends:
+        try:
+            row = prefill_row(model, args, backend, rates)
+        except torch.OutOfMemoryError:
+            free_memory(device)
+            row = {"backend": backend, "prompts": args.prefill_prompts, "prompt_len": args.prefill_len,
+                   "ttft_len": args.ttft_len, "prefill_skipped": "out of device memory"}
+        result["prefill"].append({**row, "backend": backend + tag})
+        print(f"done prefill {backend}{tag}", file=sys.stderr, flush=True)
+        save()
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -434,7 +481,7 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {"meta": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
                              "torch": torch.__version__, "params_b": params / 1e9,
-                             "weights_gb": sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9,
+                             "weights_gb": weights_gb(model),
                              "copy_gb_s": rates["copy_bytes_per_s"] / 1e9,
                              "matmul_tflop_s": rates["matmul_flop_per_s"] / 1e12},
                     "decode": [], "prefill": []}
@@ -447,29 +494,14 @@ def main(argv: list[str] | None = None) -> dict:
     if args.hf:  # first: on the H200 its batch-64 prefill fits beside the weights alone, not after the engines' rows
         result["decode"] += hf_rows(model, args)
         save()
-    for batch in [] if args.skip_decode else args.batch:
-        for backend in args.backends:
-            try:
-                result["decode"].append(decode_row(model, args, backend, batch, rates))
-            except torch.OutOfMemoryError:
-                free_memory(device)
-                result["decode"].append({"backend": backend, "batch": batch, "skipped": "out of device memory"})
-            except RuntimeError as e:  # a broken row must not lose the others
-                traceback.print_exc()
-                print(f"decode {backend} batch {batch} FAILED: {e}", file=sys.stderr)
-                result["decode"].append({"backend": backend, "batch": batch, "skipped": f"FAILED: {e}"})
-            print(f"done decode {backend} batch {batch}", file=sys.stderr, flush=True)
-            save()
-    for backend in [] if args.skip_prefill else args.backends:
-        try:
-            result["prefill"].append(prefill_row(model, args, backend, rates))
-        except torch.OutOfMemoryError:
+    for quantization in args.quantization:
+        tag = "" if quantization == "none" else f"+{quantization}"
+        if quantization == "fp8":
+            rule = QuantConfig("FP8", None, nemotron_h_default_excludes(model.config), "--quantization fp8")
+            result["meta"]["fp8_modules"] = len(quantize_model_fp8(model, rule))
+            result["meta"]["fp8_weights_gb"] = weights_gb(model)
             free_memory(device)
-            result["prefill"].append({"backend": backend, "prompts": args.prefill_prompts,
-                                      "prompt_len": args.prefill_len, "ttft_len": args.ttft_len,
-                                      "prefill_skipped": "out of device memory"})
-        print(f"done prefill {backend}", file=sys.stderr, flush=True)
-        save()
+        timed_rows(model, args, rates, result, tag, save)
     print_tables(result)
     if args.out:
         plot(result, args.out / "bench_e2e.png")

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from replayserve.config import MOE
+from replayserve.layers.fp8_linear import FP8Linear
 from replayserve.models.nemotron_h import NemotronHForCausalLM
 from replayserve.ssm.layout import MambaLayout
 
@@ -83,7 +84,7 @@ def weight_ops(model: NemotronHForCausalLM, tokens: int, sampled: int) -> list[O
     for name, module in model.named_modules():
         if name.startswith("mtp"):
             continue
-        if isinstance(module, nn.Linear):
+        if isinstance(module, (nn.Linear, FP8Linear)):  # an FP8 weight counts its 1-byte codes
             expert = ".experts." in name
             rows = sampled if name == "lm_head" else tokens
             size = sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))

@@ -202,8 +202,18 @@ def _make_tiny(args: argparse.Namespace) -> None:
     print(f"wrote {make_tiny(out, seed=args.seed, layers=args.layers)}")
 
 
+def _quantize(args: argparse.Namespace) -> None:
+    from replayserve.quantize import quantize_from_args
+
+    try:
+        print(quantize_from_args(args, _model_dir(args.model_dir)))
+    except FileExistsError as e:
+        raise UserError(str(e)) from e
+
+
 def build_parser() -> argparse.ArgumentParser:
     from replayserve import __version__
+    from replayserve.quantize import add_quantize_arguments
 
     parser = _Parser(prog="replayserve", description="A serving engine for hybrid Mamba2/attention models.")
     parser.add_argument("--version", action="version", version=f"replayserve {__version__}")
@@ -276,6 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--layers", default="M*-ME",
                       help="layer pattern: M Mamba2, * attention, - MLP, E MoE (default %(default)s)")
     tiny.add_argument("--force", action="store_true", help="overwrite a non-empty directory")
+    quant = sub.add_parser("quantize", help="write an FP8 (NVIDIA ModelOpt layout) copy of a 16/32-bit checkpoint "
+                                            f"or of {TINY_CODE}")
+    add_quantize_arguments(quant)
     return parser
 
 
@@ -283,7 +296,8 @@ def main(argv: list[str] | None = None) -> None:
     from replayserve.models.loader import CheckpointError
 
     args = build_parser().parse_args(argv)
-    command = {"demo": _demo, "generate": _generate, "serve": _serve, "make-tiny": _make_tiny}[args.command]
+    command = {"demo": _demo, "generate": _generate, "serve": _serve, "make-tiny": _make_tiny,
+               "quantize": _quantize}[args.command]
     try:
         command(args)
     except (UserError, ValueError, FileNotFoundError, CheckpointError) as e:  # ConfigError is a ValueError

@@ -36,6 +36,9 @@ class LLM:
     max_model_len: prompt plus output tokens (default: the model's limit, max_position_embeddings in
     config.json).
     block_size: tokens per KV block.
+    kv_cache_dtype: the KV cache's dtype: auto (the model's) or fp8 (float8_e4m3fn, half the bytes of a 16-bit
+    cache; keys and values are divided by the checkpoint's k_scale and v_scale, else 1.0, before rounding;
+    attention then runs the reference ops, not the Triton kernels yet).
     num_kv_blocks: KV blocks (default: on CUDA sized by gpu_memory_utilization, on CPU enough for
     max_num_seqs full sequences).
     gpu_memory_utilization: on CUDA, the share of the GPU's memory, in (0, 1], this engine may use: KV
@@ -83,6 +86,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         block_size: int = 16,
+        kv_cache_dtype: str = "auto",
         max_model_len: int | None = None,
         num_kv_blocks: int | None = None,
         gpu_memory_utilization: float = 0.9,

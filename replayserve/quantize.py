@@ -1,6 +1,6 @@
 """Turns a 16/32-bit Nemotron-H checkpoint directory into NVIDIA ModelOpt's FP8 layout:
 
-    python -m replayserve.quantize MODEL_DIR OUT_DIR [--exclude PATTERN ...]
+    replayserve quantize MODEL_DIR OUT_DIR [--exclude PATTERN ...]    (or python -m replayserve.quantize)
 
 Every Linear that no exclude pattern names gets a float8_e4m3fn ``weight`` and a 0-dim float32
 ``weight_scale`` (``amax / 448``, as ModelOpt computes it); everything else is copied in its own
@@ -137,22 +137,32 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, exclude: Seq
     return dataclasses.replace(rule, exclude_modules=tuple(excluded), source=str(out / QUANT_CONFIG_FILE))
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m replayserve.quantize", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model_dir", type=Path, help="the 16/32-bit Hugging Face checkpoint directory")
+def add_quantize_arguments(p: argparse.ArgumentParser) -> None:
+    """This tool's arguments, shared with ``replayserve quantize``: model_dir, out_dir, --exclude, --max-shard-bytes."""
+    p.add_argument("model_dir", help="the 16/32-bit Hugging Face checkpoint directory")
     p.add_argument("out_dir", type=Path, help="where to write the FP8 checkpoint (new or empty)")
     p.add_argument("--exclude", action="append", metavar="PATTERN",
                    help="a module pattern to keep in 16-bit (repeat it); replaces NVIDIA's Nemotron-H recipe")
     p.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES,
                    help="largest safetensors shard (default: %(default)s)")
+
+
+def quantize_from_args(args: argparse.Namespace, model_dir: str | Path) -> str:
+    """Runs ``quantize_checkpoint`` for parsed ``add_quantize_arguments``; returns the line to print."""
+    quant = quantize_checkpoint(model_dir, args.out_dir, args.exclude, args.max_shard_bytes)
+    return (f"wrote {args.out_dir}: FP8 weights with dynamic activation scales; kept in 16-bit: "
+            f"{', '.join(quant.exclude_modules)}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m replayserve.quantize", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_quantize_arguments(p)
     args = p.parse_args(argv)
     try:
-        quant = quantize_checkpoint(args.model_dir, args.out_dir, args.exclude, args.max_shard_bytes)
+        print(quantize_from_args(args, args.model_dir))
     except (QuantizationError, FileExistsError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
-    print(f"wrote {args.out_dir}: FP8 weights with dynamic activation scales; kept in 16-bit: "
-          f"{', '.join(quant.exclude_modules)}")
 
 
 if __name__ == "__main__":

@@ -93,3 +93,21 @@ def test_gpu_ms_by_step_splits_a_profile_at_every_layers_first_marker() -> None:
     by_step = bench_e2e.gpu_ms_by_step(list(reversed(events)), "aten::mul", per_step=2)
     want = [sum(e.time_range.elapsed_us() for e in events[a:a + 4]) / 1e3 for a in (0, 4)]  # the last step has no end
     assert by_step == want
+
+
+def test_bench_e2e_times_16_bit_and_fp8_weights_in_one_run() -> None:
+    threads = torch.get_num_threads()
+    try:
+        result = bench_e2e.main(["--device", "cpu", "--size", "small", "--batch", "2", "--steps", "2", "--window", "2",
+                                 "--warmup", "1", "--repeats", "1", "--prompt-len", "8", "--prefill-prompts", "2",
+                                 "--prefill-len", "16", "--ttft-len", "32", "--backends", "baseline",
+                                 "--quantization", "fp8", "none"])
+    finally:
+        torch.set_num_threads(threads)
+    assert [r["backend"] for r in result["decode"]] == ["baseline", "baseline+fp8"]
+    assert [r["backend"] for r in result["prefill"]] == ["baseline", "baseline+fp8"]
+    assert all(r["tok_s"] > 0 for r in result["decode"]) and result["meta"]["fp8_modules"] > 0
+    bf16, fp8 = result["decode"]
+    # float32 weights -> 1-byte codes for the quantized Linears: fewer weight bytes per step
+    assert fp8["bytes_by_part"]["weights"] < bf16["bytes_by_part"]["weights"]
+    assert result["meta"]["fp8_weights_gb"] < result["meta"]["weights_gb"]

@@ -157,6 +157,16 @@ def test_make_tiny_refuses_a_non_empty_directory(tmp_path: Path, capsys: pytest.
     assert (tmp_path / "config.json").is_file()
 
 
+def test_quantize_writes_an_fp8_checkpoint_of_the_builtin_model_once(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    code, out, err = _run(["quantize", "replayserve/tiny-code", str(tmp_path / "fp8")], capsys)
+    assert code == 0, err
+    assert out.startswith(f"wrote {tmp_path / 'fp8'}: FP8 weights") and "lm_head" in out
+    assert (tmp_path / "fp8" / "hf_quant_config.json").is_file()
+    code, _, err = _run(["quantize", "replayserve/tiny-code", str(tmp_path / "fp8")], capsys)
+    assert code == 2 and "not empty" in err and len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     ([], "required"),
     (["serve-everything"], "invalid choice"),

@@ -137,3 +137,18 @@ def test_refusals_name_what_to_change(bf16_dir: Path, tmp_path: Path) -> None:
         quantize_checkpoint(FIXTURE, tmp_path / "b")
     with pytest.raises(SystemExit, match="error: .*already a quantized"):
         main([str(FIXTURE), str(tmp_path / "c")])
+
+
+def test_the_written_checkpoint_loads_as_fp8_with_dynamic_activations(bf16_dir: Path, tmp_path: Path) -> None:
+    from replayserve.layers.fp8_linear import FP8Linear
+
+    quantize_checkpoint(bf16_dir, tmp_path / "fp8")
+    model = load_model(tmp_path / "fp8", torch.float32, torch.device("cpu"))
+    fp8 = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    assert fp8 and all(m.weight.dtype == FP8_DTYPE and m.input_scale is None for m in fp8)
+    source = load_model(bf16_dir, torch.float32, torch.device("cpu"))
+    x = torch.randn(3, model.config.hidden_size)
+    mlp = model.backbone.layers[2].mixer.up_proj  # M*-ME: layer 2 is the MLP, quantized by the recipe
+    assert isinstance(mlp, FP8Linear)
+    want = source.backbone.layers[2].mixer.up_proj(x)
+    assert ((mlp(x) - want).abs().max() / want.abs().max()).item() < 0.07  # e4m3's 3 mantissa bits

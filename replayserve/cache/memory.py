@@ -19,6 +19,11 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
+def kv_cache_torch_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype for a model in `dtype`: float8_e4m3fn with kv_cache_dtype "fp8", else `dtype`."""
+    return torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else dtype
+
+
 def cache_bytes(config: EngineConfig, dtype: torch.dtype) -> tuple[int, int]:
     """(KV cache bytes, Mamba state bytes) that the runner allocates for `config` in `dtype`."""
     return cache_bytes_for(config, dtype, config.resolved_num_kv_blocks, config.resolved_num_mamba_cache_slots)
@@ -37,7 +42,7 @@ def cache_bytes_for(config: EngineConfig, dtype: torch.dtype, num_kv_blocks: int
     # One KV block and one state slot more than the pools hand out: the runner's pad block and pad
     # slot of padded decode rows (the allocation test keeps this in step with the runner).
     kv_shape = (num_kv_blocks + 1, config.block_size, m.num_key_value_heads, m.head_dim)
-    kv = 2 * m.num_attention_layers * _nbytes(kv_shape, dtype)
+    kv = 2 * m.num_attention_layers * _nbytes(kv_shape, kv_cache_torch_dtype(config, dtype))
     replay = config.ssm_backend == "replay"
     layout = MambaLayout.from_config(m, config.max_num_seqs + num_cached_states + 1, dtype,
                                      window=config.resolved_replay_window if replay else 0,

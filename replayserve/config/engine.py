@@ -108,6 +108,9 @@ _ENGINE_MINIMUMS = dict.fromkeys(("max_num_seqs", "max_num_batched_tokens", "max
                                   "tensor_parallel_size", "cpu_threads"), 1)
 
 
+KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model dtype; fp8: float8_e4m3fn (cache/memory.py: kv_cache_torch_dtype)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs besides the weights; validated against the model at construction.
@@ -124,6 +127,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     block_size: int = 16
+    kv_cache_dtype: str = "auto"
     num_kv_blocks: int | None = None
     # CUDA: the share of the GPU's memory the engine may use; sizes the caches not given (cache/sizing.py).
     gpu_memory_utilization: float = 0.9
@@ -161,6 +165,8 @@ class EngineConfig:
         if self.cpu_threads is not None and not self.device.startswith("cpu"):
             fail("cpu_threads", f"sets torch's CPU threads and applies only with device='cpu', not {self.device!r}; "
                  "leave it out")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            fail("kv_cache_dtype", f"{self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
         if self.ssm_backend not in SSM_BACKENDS:
             fail("ssm_backend", f"{self.ssm_backend!r} is not one of {SSM_BACKENDS}")
         if self.ssm_backend == "replay":

@@ -40,6 +40,8 @@ _IGNORED_HF_KEYS = frozenset(
         "output_attentions", "chunk_size_feed_forward", "id2label", "label2id", "problem_type",
         "tokenizer_class", "prefix", "sep_token_id", "decoder_start_token_id", "task_specific_params",
         "finetuning_task", "add_cross_attention", "pruned_heads", "torchscript",
+        # read by the loader (models/quantization.py), which checks the weights against it
+        "quantization_config",
     }
 )
 # MTP layer types as transformers spells them, mapped to ours.

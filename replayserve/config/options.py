@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from replayserve.config.engine import SpeculativeConfig
+from replayserve.config.engine import KV_CACHE_DTYPES, SpeculativeConfig
 from replayserve.config.model import (
     DEVICES,
     DTYPES,
@@ -75,6 +75,11 @@ ENGINE_OPTIONS: dict[str, EngineOption] = {o.name: o for o in (
     EngineOption("max_model_len", int | None, None,
                  "prompt plus output tokens (default: the model's limit, max_position_embeddings in config.json)"),
     EngineOption("block_size", int, 16, "tokens per KV block"),
+    EngineOption("kv_cache_dtype", str, "auto",
+                 "the KV cache's dtype: auto (the model's) or fp8 (float8_e4m3fn, half the bytes of a 16-bit cache; "
+                 "keys and values are divided by the checkpoint's k_scale and v_scale, else 1.0, before rounding; "
+                 "attention then runs the reference ops, not the Triton kernels yet)",
+                 choices=KV_CACHE_DTYPES),
     EngineOption("num_kv_blocks", int | None, None,
                  "KV blocks (default: on CUDA sized by gpu_memory_utilization, on CPU enough for max_num_seqs "
                  "full sequences)"),

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from replayserve.cache.memory import kv_cache_torch_dtype
 from replayserve.config import EngineConfig, ModelConfig
 from replayserve.engine.cuda_graph import DecodeGraphs
 from replayserve.engine.prompt_logprobs import PromptScores, score_prompt
@@ -67,10 +68,11 @@ class Runner:
         m = model.config  # the shapes this process holds: a tensor-parallel rank's slice of config.model
         # One block more than the pool hands out: the pad block of padded decode rows.
         self.pad_block = config.resolved_num_kv_blocks
+        kv_dtype = kv_cache_torch_dtype(config, self.dtype)
         kv_shape = (config.resolved_num_kv_blocks + 1, config.block_size, m.num_key_value_heads, m.head_dim)
         self.kv_caches = [
-            (torch.zeros(kv_shape, dtype=self.dtype, device=self.device),
-             torch.zeros(kv_shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(kv_shape, dtype=kv_dtype, device=self.device),
+             torch.zeros(kv_shape, dtype=kv_dtype, device=self.device))
             for _ in range(m.num_attention_layers)
         ]
         self.ssm = make_ssm_backend(config, self.dtype, self.device, m)

@@ -28,6 +28,8 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        # An FP8 KV cache's per-tensor scales: an FP8 checkpoint's k_scale / v_scale (models/fp8_loading.py)
+        self.kv_scales = (1.0, 1.0)
 
     def forward(
         self, hidden: torch.Tensor, ctx: StepContext, kv_cache: tuple[torch.Tensor, torch.Tensor]
@@ -40,8 +42,9 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         if ctx.uniform_decode:  # fixed shapes, no host sync: the CUDA-graph path
             out = write_kv_and_attend_decode(q, k, v, k_cache, v_cache, ctx.slot_mapping, ctx.block_tables,
-                                             ctx.query_start_loc, ctx.seq_lens, self.scale, ctx.uniform_decode)
+                                             ctx.query_start_loc, ctx.seq_lens, self.scale, ctx.uniform_decode,
+                                             *self.kv_scales)
         else:
             out = write_kv_and_attend(q, k, v, k_cache, v_cache, ctx.slot_mapping, ctx.block_tables,
-                                      ctx.query_start_loc, ctx.seq_lens, self.scale)
+                                      ctx.query_start_loc, ctx.seq_lens, self.scale, *self.kv_scales)
         return self.o_proj(out.reshape(t, -1))

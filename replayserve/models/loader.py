@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
@@ -14,8 +15,12 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from replayserve.config import ModelConfig
+from replayserve.models.checkpoint_error import CheckpointError
+from replayserve.models.fp8_loading import prepare_fp8_model
+from replayserve.models.quantization import read_quant_config
 from replayserve.models.registry import family_of
 from replayserve.models.sharding import RankShard
+from replayserve.ops.fp8 import FP8_DTYPE
 
 logger = logging.getLogger(__name__)
 
@@ -26,10 +31,11 @@ _FUSED_EXPERTS = re.compile(r"(.*\.mixer\.experts)\.(up_proj|down_proj)$")
 # Multi-token-prediction layers: loaded when the config declares them, else skipped.
 _MTP = re.compile(r"^mtp\.")
 _LM_HEAD = "lm_head.weight"
+# safetensors' dtype names, for reading a tensor's dtype from the header without its data.
+_HEADER_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F16": torch.float16,
+                  "F32": torch.float32, "F64": torch.float64}
 
-
-class CheckpointError(ValueError):
-    """The checkpoint directory is missing files or holds tensors the model does not expect."""
+__all__ = ["CheckpointError", "checkpoint_files", "iter_checkpoint", "load_model"]
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -92,6 +98,33 @@ def iter_checkpoint(files: list[Path], with_mtp: bool = False) -> Iterator[tuple
             raise CheckpointError(f"{path} is not a valid safetensors file: {e}") from e
 
 
+def checkpoint_header(files: list[Path], with_mtp: bool = False) -> dict[str, torch.Tensor]:
+    """Every stored tensor as this engine names it -> a meta tensor of its dtype and shape, except
+    tensors of at most one value (the FP8 scales), which are read. Reads headers and scales only."""
+    header: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for raw_name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    if not with_mtp and _MTP.match(raw_name):
+                        continue
+                    part = f.get_slice(raw_name)
+                    shape = part.get_shape()
+                    if math.prod(shape) <= 1:
+                        header[_canonical_name(raw_name)] = f.get_tensor(raw_name)
+                    else:
+                        dtype = _HEADER_DTYPES.get(part.get_dtype(), torch.uint8)
+                        header[_canonical_name(raw_name)] = torch.empty(shape, dtype=dtype, device="meta")
+        except SafetensorError as e:
+            raise CheckpointError(f"{path} is not a valid safetensors file: {e}") from e
+    return header
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    # isfinite has no float8 kernel; every e4m3fn value is exact in float16 (NaN stays NaN)
+    return bool(torch.isfinite(t.to(torch.float16) if t.dtype == FP8_DTYPE else t).all())
+
+
 def _file_holding(files: list[Path], name: str) -> Path | None:
     """The file that stores tensor `name` (reads headers only), or None."""
     for path in files:
@@ -116,6 +149,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     transformers 5.24 does, whose Nemotron-H never ties. Every tensor must be floating-point and
     finite once cast to `dtype`: an integer tensor, a NaN or Inf (or a value `dtype` cannot hold) is
     an error naming the tensor.
+
+    A ModelOpt FP8 checkpoint (`hf_quant_config.json` or config.json's `quantization_config`) is
+    checked before anything is allocated and its quantized Linears load as `FP8Linear`s, their
+    weights in float8_e4m3fn (`models/fp8_loading.py`); tensor parallelism does not take one yet.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -128,8 +165,14 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     model_class = family_of(cfg).model_class
     shard = RankShard(cfg, rank, world_size) if world_size > 1 else None
+    quant = read_quant_config(model_dir)
+    if quant is not None and shard is not None:
+        raise CheckpointError(f"{model_dir} is an FP8 checkpoint ({quant.source}); FP8 checkpoints load with "
+                              "tensor_parallel_size 1 for now")
+    with_mtp = cfg.num_nextn_predict_layers > 0
     with torch.device("meta"):
         model = model_class(cfg) if shard is None else shard.build(model_class)
+    fp8 = None if quant is None else prepare_fp8_model(model, quant, checkpoint_header(files, with_mtp))
     model.allocate_(device, dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.backbone.embeddings.weight
@@ -138,13 +181,16 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
         expected.pop(_LM_HEAD)
     seen: set[str] = set()
     unexpected = []
-    for path, name, tensor in iter_checkpoint(files, with_mtp=cfg.num_nextn_predict_layers > 0):
+    for path, name, tensor in iter_checkpoint(files, with_mtp=with_mtp):
         target = expected.get(name)
         if target is None:
-            unexpected.append(name)
+            if fp8 is None or not fp8.takes_as_scale(name):  # KV-cache scales and the experts' are read there
+                unexpected.append(name)
             continue
         if shard is not None:
             tensor = shard.slice(name, tensor)
+        if fp8 is not None:
+            tensor = fp8.loaded(name, tensor, target)
         if target.is_floating_point() and not tensor.is_floating_point():
             # copy_ would cast it without a word: an integer A_log is a truncated (or quantized) tensor
             raise CheckpointError(f"checkpoint tensor {name} in {path} has dtype {tensor.dtype}; the model needs "
@@ -155,8 +201,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
             )
         with torch.no_grad():
             target.copy_(tensor)
-        if not torch.isfinite(target).all():
-            why = "holds NaN or Inf values" if not torch.isfinite(tensor).all() else f"overflows {target.dtype}"
+        if not _all_finite(target):
+            why = "holds NaN or Inf values" if not _all_finite(tensor) else f"overflows {target.dtype}"
             raise CheckpointError(f"checkpoint tensor {name} in {path} {why}")
         seen.add(name)
     if unexpected:

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from replayserve.layers.attention import Attention
-from replayserve.models.loader import CheckpointError
+from replayserve.models.checkpoint_error import CheckpointError
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,19 @@
 """Paged KV cache writes and causal GQA attention over a flattened batch: the references, the
 fixed-shape decode ops, and the two entry points a step's attention calls, which run the kernels
 of ``paged_attention_triton`` and ``prefill_attention_triton`` where they serve
-(``dispatch.use_triton``)."""
+(``dispatch.use_triton``).
+
+An FP8 KV cache (float8_e4m3fn K and V caches) holds ``k / k_scale`` and ``v / v_scale`` rounded to
+FP8, with per-tensor scales (a checkpoint's ``k_scale``/``v_scale``, or 1.0). The entry points
+quantize the step's K and V on the way in and fold the scales into the math: q . (k_q k_scale) is
+(q . k_q) times ``scale * k_scale``, and sum p (v_q v_scale) is v_scale times sum p v_q, so the
+attention itself reads the FP8 cache widened to the compute dtype. The Triton kernels do not take
+FP8 caches yet: those steps run the dense ops (decode; no host sync, graph-safe) and the references.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -11,6 +21,7 @@ from torch import Tensor
 from replayserve.ops.attention_limits import SHORT_ROW, prefill_kernel_head_dim
 from replayserve.ops.dispatch import use_triton
 from replayserve.ops.dtypes import compute_dtype
+from replayserve.ops.fp8 import FP8_DTYPE, FP8_MAX
 
 
 def write_kv_cache_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
@@ -199,14 +210,37 @@ def decode_attention_dense(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     return att.to(q.dtype)
 
 
+def to_fp8_cache(x: Tensor, cache_scale: float) -> Tensor:
+    """``x / cache_scale`` rounded to float8_e4m3fn, saturating at +-448 (a plain cast would give NaN)."""
+    return (x.to(torch.float32) * (1.0 / cache_scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _write_fp8_kv(write: Callable[..., None], k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                  slot_mapping: Tensor, k_scale: float, v_scale: float) -> None:
+    """``write`` (a KV-cache write op) of the step's K and V rounded into FP8 caches, moved as bytes:
+    float8 has no index_copy_ kernel."""
+    write(to_fp8_cache(k, k_scale).view(torch.uint8), to_fp8_cache(v, v_scale).view(torch.uint8),
+          k_cache.view(torch.uint8), v_cache.view(torch.uint8), slot_mapping)
+
+
+def _times(out: Tensor, v_scale: float) -> Tensor:
+    """Attention over ``v / v_scale`` brought back to the values' scale."""
+    return out if v_scale == 1.0 else (out.to(compute_dtype(out.dtype)) * v_scale).to(out.dtype)
+
+
 def write_kv_and_attend_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                                slot_mapping: Tensor, block_tables: Tensor, query_start_loc: Tensor,
-                               seq_lens: Tensor, scale: float, width: int) -> Tensor:
+                               seq_lens: Tensor, scale: float, width: int, k_scale: float = 1.0,
+                               v_scale: float = 1.0) -> Tensor:
     """A step of uniform decode rows (the CUDA-graph path: fixed shapes, no host sync): writes the
     step's K/V into the cache, then attends. Rows of `width` query tokens each; arguments as in
     ``paged_attention_ref``, slot_mapping and block_tables without -1 (padded rows name the pad
     block). The Triton decode kernel on CUDA (any dtype; it reads each row's context only, not
-    its whole block table); elsewhere the dense ops. Returns (T, Hq, Dh) in q.dtype."""
+    its whole block table); elsewhere, and for an FP8 cache (k_scale, v_scale: its scales), the
+    dense ops. Returns (T, Hq, Dh) in q.dtype."""
+    if k_cache.dtype == FP8_DTYPE:
+        _write_fp8_kv(write_kv_cache_dense, k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return _times(decode_attention_dense(q, k_cache, v_cache, block_tables, seq_lens, scale * k_scale), v_scale)
     if use_triton(q, None):
         from replayserve.ops.paged_attention_triton import paged_decode_attention_triton, write_kv_cache_triton
 
@@ -218,12 +252,18 @@ def write_kv_and_attend_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor,
 
 
 def write_kv_and_attend(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
-                        block_tables: Tensor, query_start_loc: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
+                        block_tables: Tensor, query_start_loc: Tensor, seq_lens: Tensor, scale: float,
+                        k_scale: float = 1.0, v_scale: float = 1.0) -> Tensor:
     """Any other step (prefill chunks, mixed prefill and decode): writes the step's K/V into the
     cache (``write_kv_cache_ref``'s arguments), then ``paged_attention_ref``. The Triton varlen
     kernel, one launch for the whole batch with no host sync and no scores in memory, where it
     serves and takes the head size (``prefill_kernel_head_dim``); elsewhere (the CPU, float64)
-    the references. Returns (T, Hq, Dh) in q.dtype."""
+    the references, which also serve an FP8 cache (k_scale, v_scale: its scales). Returns (T, Hq,
+    Dh) in q.dtype."""
+    if k_cache.dtype == FP8_DTYPE:
+        _write_fp8_kv(write_kv_cache_ref, k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return _times(paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                                          scale * k_scale), v_scale)
     if use_triton(q) and prefill_kernel_head_dim(q.shape[-1]):
         from replayserve.ops.paged_attention_triton import write_kv_cache_triton
         from replayserve.ops.prefill_attention_triton import paged_prefill_attention_triton

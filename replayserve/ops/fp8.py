@@ -17,6 +17,8 @@ from torch import Tensor
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0: e4m3fn has no infinities; its largest finite value
+# Rows of x one FP8 GEMV launch takes (fp8_gemv_triton); a larger batch goes to fp8_scaled_mm.
+FP8_GEMV_MAX_ROWS = 8
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:

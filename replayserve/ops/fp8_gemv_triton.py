@@ -23,10 +23,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from replayserve.ops.fp8 import FP8_DTYPE, FP8_MAX
+from replayserve.ops.fp8 import FP8_DTYPE, FP8_GEMV_MAX_ROWS, FP8_MAX
 from replayserve.ops.gemv_triton import gemv_tiles
-
-FP8_GEMV_MAX_ROWS = 8  # rows of x one launch takes; a decode batch beyond that goes to fp8_scaled_mm
 
 
 @triton.jit
