@@ -24,7 +24,8 @@ def _from_json(**edits: object) -> ModelConfig:
 
 def _wrong_value(cls: type, field: str) -> object:
     """A value of the wrong type for `field`: a string where a number is due, else a float."""
-    return "0.5" if typing.get_type_hints(cls)[field] is float else 1.5
+    hint = typing.get_type_hints(cls)[field]
+    return "0.5" if hint is float or float in typing.get_args(hint) else 1.5
 
 
 @pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(ModelConfig)])

@@ -28,7 +28,7 @@ class Mamba2Mixer(nn.Module):
         self.num_heads = cfg.mamba_num_heads
         self.head_dim = cfg.mamba_head_dim
         self.chunk_size = cfg.chunk_size
-        self.dt_limit = (cfg.time_step_min, math.inf)
+        self.dt_limit = tuple(cfg.dt_limit) if cfg.dt_limit else (cfg.time_step_min, math.inf)
         inner, conv_dim = cfg.mamba_intermediate_size, cfg.conv_dim
         self.split_sizes = [inner, conv_dim, self.num_heads]
         self.in_proj = Linear(cfg.hidden_size, sum(self.split_sizes), bias=cfg.use_bias)

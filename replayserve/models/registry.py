@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from replayserve.config import ConfigError, ModelConfig
+from replayserve.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from replayserve.models.nemotron_h import NemotronHForCausalLM
 
 
@@ -29,6 +30,7 @@ class ModelFamily:
 
 FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("nemotron_h", ("NemotronHForCausalLM",), NemotronHForCausalLM),
+    ModelFamily("granitemoehybrid", ("GraniteMoeHybridForCausalLM",), GraniteMoeHybridForCausalLM),
 )
 
 

@@ -1,0 +1,154 @@
+"""config.json of the Mamba2 hybrids beside Nemotron-H, translated to `ModelConfig`'s fields and back.
+
+Each family's config names the same quantities its own way (`mamba_n_heads` for `mamba_num_heads`,
+`num_local_experts` for `n_routed_experts`, ...) and adds a few of its own (Granite's multipliers,
+RoPE). `FROM_HF[model_type]` turns a parsed config.json into the keys `ModelConfig.from_hf_dict`
+reads (Nemotron-H's spelling plus `FAMILY_FIELDS`); `TO_HF[model_type]` writes a config.json that
+transformers' config class of the family reads back to the same `ModelConfig`. A value the engine
+cannot run (another RoPE type, attention bias, an activation other than SiLU) fails naming its key.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from replayserve.config.checks import ConfigError
+
+GRANITE = "granitemoehybrid"
+
+# ModelConfig fields that only the families here set; a Nemotron-H config.json naming one is refused.
+FAMILY_FIELDS = frozenset({"embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier",
+                           "rope_theta", "partial_rotary_factor", "dt_limit"})
+
+# transformers 5.24's GraniteMoeHybridConfig defaults, for keys a config.json leaves out.
+_GRANITE_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
+    "num_key_value_heads": None, "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+    "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+    "attention_bias": False, "embedding_multiplier": 1.0, "logits_scaling": 1.0, "residual_multiplier": 1.0,
+    "attention_multiplier": 1.0, "num_local_experts": 8, "num_experts_per_tok": 2, "shared_intermediate_size": 1024,
+    "position_embedding_type": None, "mamba_n_heads": 128, "mamba_n_groups": 1, "mamba_d_state": 256,
+    "mamba_d_head": "auto", "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 256, "mamba_conv_bias": True,
+    "mamba_proj_bias": False, "time_step_limit": [0.0, math.inf],
+}
+# Keys that change nothing at inference.
+_GRANITE_IGNORED = frozenset({"router_aux_loss_coef", "output_router_logits", "init_method"})
+# Renamed one to one: the family's key -> ModelConfig's.
+_GRANITE_RENAMES = {
+    "rms_norm_eps": "layer_norm_epsilon", "intermediate_size": "moe_intermediate_size",
+    "shared_intermediate_size": "moe_shared_expert_intermediate_size", "num_local_experts": "n_routed_experts",
+    "mamba_n_heads": "mamba_num_heads", "mamba_n_groups": "n_groups", "mamba_d_state": "ssm_state_size",
+    "mamba_d_conv": "conv_kernel", "mamba_chunk_size": "chunk_size", "mamba_conv_bias": "use_conv_bias",
+    "mamba_proj_bias": "use_bias",
+}
+# transformers' legacy layer names.
+_LAYER_ALIASES = {"mamba": "linear_attention", "attention": "full_attention"}
+
+
+def _fail(key: str, why: str) -> ConfigError:
+    return ConfigError(f"model config option {key}: {why}")
+
+
+def _rope(raw: dict[str, Any]) -> dict[str, Any]:
+    """rope_theta and partial_rotary_factor from `rope_parameters` (or the legacy top-level keys);
+    only the default (unscaled) RoPE runs here."""
+    params = raw.pop("rope_parameters", None) or {}
+    if not isinstance(params, dict):
+        raise _fail("rope_parameters", f"must be an object, got {params!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise _fail("rope_parameters.rope_type", f"unsupported value {rope_type!r}; only 'default' (unscaled RoPE)")
+    unknown = sorted(set(params) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+    if unknown:
+        raise _fail("rope_parameters", f"unsupported keys {unknown}")
+    theta = params.get("rope_theta", raw.pop("rope_theta", 10000.0))
+    factor = params.get("partial_rotary_factor", raw.pop("partial_rotary_factor", 1.0))
+    return {"rope_theta": theta, "partial_rotary_factor": factor}
+
+
+def _layer_types(raw: dict[str, Any], allowed: tuple[str, ...]) -> list[str]:
+    layers = raw.pop("layer_types", None) or raw.pop("layers_block_type", None)
+    if not isinstance(layers, list) or not layers:
+        raise _fail("layer_types", f"must be a non-empty list of layer names, got {layers!r}")
+    out = [_LAYER_ALIASES.get(t, t) for t in layers]
+    bad = sorted({t for t in out if t not in allowed})
+    if bad:
+        raise _fail("layer_types", f"unsupported layer types {bad}; allowed: {list(allowed)} (or 'mamba', 'attention')")
+    return out
+
+
+def granite_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
+    """A GraniteMoeHybridConfig's config.json -> ModelConfig keys."""
+    hf = {**_GRANITE_DEFAULTS, **{k: v for k, v in raw.items() if k not in _GRANITE_IGNORED}}
+    out: dict[str, Any] = {"layers_block_type": _layer_types(hf, ("linear_attention", "full_attention"))}
+    count = hf.pop("num_hidden_layers", len(out["layers_block_type"]))
+    if count != len(out["layers_block_type"]):
+        raise _fail("num_hidden_layers", f"{count!r} differs from the {len(out['layers_block_type'])} layer_types")
+    if hf.pop("rope_scaling", None) is not None:
+        raise _fail("rope_scaling", "unsupported; only null (unscaled RoPE)")
+    if hf.pop("attention_bias"):
+        raise _fail("attention_bias", "unsupported value true; only false")
+    act = hf.pop("hidden_act")
+    if act != "silu":
+        raise _fail("hidden_act", f"unsupported value {act!r}; only 'silu'")
+    out["mlp_hidden_act"] = out["mamba_hidden_act"] = act
+    norm = hf.pop("normalization_function", "rmsnorm")
+    if norm != "rmsnorm":
+        raise _fail("normalization_function", f"unsupported value {norm!r}; only 'rmsnorm'")
+    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
+    if hf["num_key_value_heads"] is None:
+        hf["num_key_value_heads"] = heads
+    if not isinstance(heads, int) or not isinstance(hidden, int) or heads < 1 or hidden % heads:
+        raise _fail("num_attention_heads", f"{heads!r} must divide hidden_size={hidden!r}")
+    out["head_dim"] = hidden // heads
+    expand, mamba_heads, d_head = hf.pop("mamba_expand"), hf["mamba_n_heads"], hf.pop("mamba_d_head")
+    inner = expand * hidden if isinstance(expand, int) else None
+    if d_head == "auto" and inner is not None and isinstance(mamba_heads, int) and mamba_heads > 0:
+        d_head = inner // mamba_heads
+    if inner is None or not isinstance(d_head, int) or d_head * mamba_heads != inner:
+        raise _fail("mamba_d_head", f"{d_head!r} x mamba_n_heads={mamba_heads!r} must equal mamba_expand * "
+                                    f"hidden_size = {expand!r} * {hidden}")
+    out["mamba_head_dim"] = d_head
+    position = hf.pop("position_embedding_type")
+    if position not in (None, "nope", "rope"):
+        raise _fail("position_embedding_type", f"unsupported value {position!r}; only null or 'rope'")
+    rope = _rope(hf)
+    if position == "rope":
+        out.update(rope)
+    limit = hf.pop("time_step_limit")
+    out["dt_limit"] = (0.0, math.inf) if limit is None else tuple(limit) if isinstance(limit, list) else limit
+    for key, field in _GRANITE_RENAMES.items():
+        out[field] = hf.pop(key)
+    return {**hf, **out}
+
+
+def granite_to_hf(fields: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig fields -> the config.json transformers' GraniteMoeHybridConfig reads back to them."""
+    if fields["head_dim"] * fields["num_attention_heads"] != fields["hidden_size"]:
+        raise ConfigError("granitemoehybrid: head_dim must be hidden_size / num_attention_heads")
+    out = {key: fields[field] for key, field in _GRANITE_RENAMES.items()}
+    rope = fields["rope_theta"] is not None
+    out.update({
+        "layer_types": list(fields["layer_types"]), "num_hidden_layers": len(fields["layer_types"]),
+        "hidden_act": fields["mlp_hidden_act"],
+        "mamba_d_head": fields["mamba_head_dim"],
+        "mamba_expand": fields["mamba_num_heads"] * fields["mamba_head_dim"] // fields["hidden_size"],
+        "position_embedding_type": "rope" if rope else None,
+        "time_step_limit": list(fields["dt_limit"] or (0.0, math.inf)),
+        "rope_parameters": {"rope_type": "default", "rope_theta": fields["rope_theta"] if rope else 10000.0,
+                            **({"partial_rotary_factor": fields["partial_rotary_factor"]}
+                               if fields["partial_rotary_factor"] != 1.0 else {})},
+    })
+    for key in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                "num_experts_per_tok", "embedding_multiplier", "residual_multiplier", "logits_scaling",
+                "attention_multiplier", "tie_word_embeddings", "pad_token_id", "bos_token_id"):
+        out[key] = fields[key]
+    eos = fields["eos_token_ids"]
+    out["eos_token_id"] = eos[0] if len(eos) == 1 else list(eos)
+    return out
+
+
+FROM_HF: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {GRANITE: granite_from_hf}
+TO_HF: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {GRANITE: granite_to_hf}
