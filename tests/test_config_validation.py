@@ -15,7 +15,7 @@ from replayserve.config import ALLOW_LONG_MAX_MODEL_LEN, ConfigError, EngineConf
 BASE = tiny_config()  # M*-ME: 4 attention heads over 2 KV heads, 8 Mamba heads in 2 groups, 4 experts
 # config.json keys of the fields whose name differs.
 HF_KEY = {"layer_types": "layers_block_type", "mtp_layer_types": "mtp_layers_block_type",
-          "eos_token_ids": "eos_token_id"}
+          "eos_token_ids": "eos_token_id", "dt_limit": "time_step_limit"}
 
 
 def _from_json(**edits: object) -> ModelConfig:

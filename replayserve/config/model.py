@@ -55,7 +55,7 @@ _LEGACY_HF_KEYS = {
 
 # config.json keys of the fields whose name differs.
 _HF_KEYS = {"layer_types": "layers_block_type", "mtp_layer_types": "mtp_layers_block_type",
-            "eos_token_ids": "eos_token_id"}
+            "eos_token_ids": "eos_token_id", "dt_limit": "time_step_limit"}
 # Sizes and counts are at least 1 (None where optional), token ids at least 0. A context of one
 # position holds a prompt token but no generated one: max_position_embeddings is at least 2, as
 # the engine's max_model_len (which it defaults and bounds) is.
