@@ -276,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("make-tiny", help="write a random tiny model of a supported family in Hugging Face format")
     tiny.add_argument("dir", help="the directory to write")
     tiny.add_argument("--seed", type=int, default=0, help="weights seed (default %(default)s)")
-    tiny.add_argument("--family", default="nemotron_h", choices=("nemotron_h", "granite"),
+    tiny.add_argument("--family", default="nemotron_h", choices=("nemotron_h", "granite", "bamba"),
                       help="the model family (default %(default)s)")
     tiny.add_argument("--layers", default=None,
                       help="layer pattern: M Mamba2, * attention, - MLP, E MoE (nemotron_h only); default M*-ME "

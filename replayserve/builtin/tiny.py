@@ -17,7 +17,7 @@ from replayserve.models.registry import family_of
 from replayserve.models.writer import save_model
 
 # make-tiny's --family names: the config.json model_type of each.
-TINY_FAMILIES = {"nemotron_h": "nemotron_h", "granite": "granitemoehybrid"}
+TINY_FAMILIES = {"nemotron_h": "nemotron_h", "granite": "granitemoehybrid", "bamba": "bamba"}
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2, as the model config expects
 
@@ -74,6 +74,14 @@ def tiny_config(layers: str = "M*-ME", vocab_size: int = 512, family: str = "nem
             moe_shared_expert_intermediate_size=96, layer_norm_epsilon=1e-6, embedding_multiplier=2.0,
             residual_multiplier=0.5, logits_scaling=2.0, attention_multiplier=0.125, rope_theta=10000.0,
             dt_limit=(0.0, math.inf),
+        )
+    if family == "bamba":
+        return ModelConfig(
+            layer_types=tuple(MAMBA if c == "M" else ATTENTION for c in layers), model_type="bamba",
+            architectures=("BambaForCausalLM",), vocab_size=vocab_size, hidden_size=128, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, intermediate_size=256,
+            mlp_hidden_act="silu", mamba_num_heads=8, mamba_head_dim=32, ssm_state_size=16, n_groups=2,
+            chunk_size=16, n_routed_experts=0, rope_theta=10000.0, partial_rotary_factor=0.5, dt_limit=(0.0, math.inf),
         )
     return ModelConfig(
         layer_types=tuple(PATTERN_CHARS[c] for c in layers),

@@ -17,32 +17,46 @@ from typing import Any
 from replayserve.config.checks import ConfigError
 
 GRANITE = "granitemoehybrid"
+BAMBA = "bamba"
 
 # ModelConfig fields that only the families here set; a Nemotron-H config.json naming one is refused.
 FAMILY_FIELDS = frozenset({"embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier",
                            "rope_theta", "partial_rotary_factor", "dt_limit"})
 
-# transformers 5.24's GraniteMoeHybridConfig defaults, for keys a config.json leaves out.
+# transformers 5.24's defaults (GraniteMoeHybridConfig, BambaConfig), for keys a config.json leaves out.
+_MAMBA_DEFAULTS: dict[str, Any] = {
+    "num_key_value_heads": None, "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2,
+    "tie_word_embeddings": False, "attention_bias": False, "mamba_n_heads": 128, "mamba_n_groups": 1,
+    "mamba_d_state": 256, "mamba_d_head": "auto", "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 256,
+    "mamba_conv_bias": True, "mamba_proj_bias": False, "time_step_limit": [0.0, math.inf], "hidden_size": 4096,
+    "num_attention_heads": 32,
+}
 _GRANITE_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
-    "num_key_value_heads": None, "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
-    "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
-    "attention_bias": False, "embedding_multiplier": 1.0, "logits_scaling": 1.0, "residual_multiplier": 1.0,
-    "attention_multiplier": 1.0, "num_local_experts": 8, "num_experts_per_tok": 2, "shared_intermediate_size": 1024,
-    "position_embedding_type": None, "mamba_n_heads": 128, "mamba_n_groups": 1, "mamba_d_state": 256,
-    "mamba_d_head": "auto", "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 256, "mamba_conv_bias": True,
-    "mamba_proj_bias": False, "time_step_limit": [0.0, math.inf],
+    **_MAMBA_DEFAULTS, "vocab_size": 32000, "intermediate_size": 11008, "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6, "pad_token_id": None, "embedding_multiplier": 1.0, "logits_scaling": 1.0,
+    "residual_multiplier": 1.0, "attention_multiplier": 1.0, "num_local_experts": 8, "num_experts_per_tok": 2,
+    "shared_intermediate_size": 1024, "position_embedding_type": None,
+}
+_BAMBA_DEFAULTS: dict[str, Any] = {
+    **_MAMBA_DEFAULTS, "vocab_size": 128000, "intermediate_size": 14336, "num_key_value_heads": 8,
+    "num_hidden_layers": 32, "max_position_embeddings": 262144, "rms_norm_eps": 1e-5, "pad_token_id": 0,
+    "attn_layer_indices": None, "mlp_bias": False,
 }
 # Keys that change nothing at inference.
-_GRANITE_IGNORED = frozenset({"router_aux_loss_coef", "output_router_logits", "init_method"})
+_IGNORED = frozenset({"router_aux_loss_coef", "output_router_logits", "init_method", "z_loss_coefficient"})
 # Renamed one to one: the family's key -> ModelConfig's.
-_GRANITE_RENAMES = {
-    "rms_norm_eps": "layer_norm_epsilon", "intermediate_size": "moe_intermediate_size",
-    "shared_intermediate_size": "moe_shared_expert_intermediate_size", "num_local_experts": "n_routed_experts",
-    "mamba_n_heads": "mamba_num_heads", "mamba_n_groups": "n_groups", "mamba_d_state": "ssm_state_size",
-    "mamba_d_conv": "conv_kernel", "mamba_chunk_size": "chunk_size", "mamba_conv_bias": "use_conv_bias",
-    "mamba_proj_bias": "use_bias",
+_MAMBA_RENAMES = {
+    "rms_norm_eps": "layer_norm_epsilon", "mamba_n_heads": "mamba_num_heads", "mamba_n_groups": "n_groups",
+    "mamba_d_state": "ssm_state_size", "mamba_d_conv": "conv_kernel", "mamba_chunk_size": "chunk_size",
+    "mamba_conv_bias": "use_conv_bias", "mamba_proj_bias": "use_bias",
 }
+_GRANITE_RENAMES = {
+    **_MAMBA_RENAMES, "intermediate_size": "moe_intermediate_size",
+    "shared_intermediate_size": "moe_shared_expert_intermediate_size", "num_local_experts": "n_routed_experts",
+}
+# Written back as they are named.
+_SAME_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+              "tie_word_embeddings", "pad_token_id", "bos_token_id")
 # transformers' legacy layer names.
 _LAYER_ALIASES = {"mamba": "linear_attention", "attention": "full_attention"}
 
@@ -51,7 +65,7 @@ def _fail(key: str, why: str) -> ConfigError:
     return ConfigError(f"model config option {key}: {why}")
 
 
-def _rope(raw: dict[str, Any]) -> dict[str, Any]:
+def _rope(raw: dict[str, Any], partial_default: float = 1.0) -> dict[str, Any]:
     """rope_theta and partial_rotary_factor from `rope_parameters` (or the legacy top-level keys);
     only the default (unscaled) RoPE runs here."""
     params = raw.pop("rope_parameters", None) or {}
@@ -64,7 +78,7 @@ def _rope(raw: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise _fail("rope_parameters", f"unsupported keys {unknown}")
     theta = params.get("rope_theta", raw.pop("rope_theta", 10000.0))
-    factor = params.get("partial_rotary_factor", raw.pop("partial_rotary_factor", 1.0))
+    factor = params.get("partial_rotary_factor", raw.pop("partial_rotary_factor", partial_default))
     return {"rope_theta": theta, "partial_rotary_factor": factor}
 
 
@@ -79,13 +93,9 @@ def _layer_types(raw: dict[str, Any], allowed: tuple[str, ...]) -> list[str]:
     return out
 
 
-def granite_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
-    """A GraniteMoeHybridConfig's config.json -> ModelConfig keys."""
-    hf = {**_GRANITE_DEFAULTS, **{k: v for k, v in raw.items() if k not in _GRANITE_IGNORED}}
-    out: dict[str, Any] = {"layers_block_type": _layer_types(hf, ("linear_attention", "full_attention"))}
-    count = hf.pop("num_hidden_layers", len(out["layers_block_type"]))
-    if count != len(out["layers_block_type"]):
-        raise _fail("num_hidden_layers", f"{count!r} differs from the {len(out['layers_block_type'])} layer_types")
+def _mamba_hybrid(hf: dict[str, Any], out: dict[str, Any]) -> None:
+    """The keys Granite 4.0-H and Bamba share (attention, Mamba2, activation), popped from `hf`
+    into ModelConfig's keys in `out`."""
     if hf.pop("rope_scaling", None) is not None:
         raise _fail("rope_scaling", "unsupported; only null (unscaled RoPE)")
     if hf.pop("attention_bias"):
@@ -111,44 +121,88 @@ def granite_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
         raise _fail("mamba_d_head", f"{d_head!r} x mamba_n_heads={mamba_heads!r} must equal mamba_expand * "
                                     f"hidden_size = {expand!r} * {hidden}")
     out["mamba_head_dim"] = d_head
+    limit = hf.pop("time_step_limit")
+    out["dt_limit"] = (0.0, math.inf) if limit is None else tuple(limit) if isinstance(limit, list) else limit
+
+
+def _check_layer_count(hf: dict[str, Any], layers: list[str]) -> None:
+    count = hf.pop("num_hidden_layers", len(layers))
+    if count != len(layers):
+        raise _fail("num_hidden_layers", f"{count!r} differs from the {len(layers)} layer_types")
+
+
+def granite_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
+    """A GraniteMoeHybridConfig's config.json -> ModelConfig keys."""
+    hf = {**_GRANITE_DEFAULTS, **{k: v for k, v in raw.items() if k not in _IGNORED}}
+    out: dict[str, Any] = {"layers_block_type": _layer_types(hf, ("linear_attention", "full_attention"))}
+    _check_layer_count(hf, out["layers_block_type"])
+    _mamba_hybrid(hf, out)
     position = hf.pop("position_embedding_type")
     if position not in (None, "nope", "rope"):
         raise _fail("position_embedding_type", f"unsupported value {position!r}; only null or 'rope'")
     rope = _rope(hf)
+    if rope["partial_rotary_factor"] != 1.0:  # transformers' Granite rotates whole heads whatever it says
+        raise _fail("rope_parameters.partial_rotary_factor", f"{rope['partial_rotary_factor']!r}; Granite only 1.0")
     if position == "rope":
         out.update(rope)
-    limit = hf.pop("time_step_limit")
-    out["dt_limit"] = (0.0, math.inf) if limit is None else tuple(limit) if isinstance(limit, list) else limit
     for key, field in _GRANITE_RENAMES.items():
         out[field] = hf.pop(key)
     return {**hf, **out}
 
 
-def granite_to_hf(fields: dict[str, Any]) -> dict[str, Any]:
-    """ModelConfig fields -> the config.json transformers' GraniteMoeHybridConfig reads back to them."""
+def bamba_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
+    """A BambaConfig's config.json -> ModelConfig keys: attention at `attn_layer_indices`, Mamba2
+    elsewhere; RoPE always (transformers 5.24 rotates half of each head unless rope_parameters says)."""
+    hf = {**_BAMBA_DEFAULTS, **{k: v for k, v in raw.items() if k not in _IGNORED}}
+    count, indices = hf.pop("num_hidden_layers"), hf.pop("attn_layer_indices") or []
+    if not isinstance(count, int) or count < 1 or not isinstance(indices, list) or any(
+            not isinstance(i, int) or not 0 <= i < count for i in indices):
+        raise _fail("attn_layer_indices", f"{indices!r} must be layer indices below num_hidden_layers={count!r}")
+    out: dict[str, Any] = {"layers_block_type": ["full_attention" if i in indices else "linear_attention"
+                                                 for i in range(count)], "n_routed_experts": 0}
+    _mamba_hybrid(hf, out)
+    out.update(_rope(hf, partial_default=0.5))
+    for key, field in _MAMBA_RENAMES.items():
+        out[field] = hf.pop(key)
+    return {**hf, **out}
+
+
+def _mamba_hybrid_to_hf(fields: dict[str, Any]) -> dict[str, Any]:
     if fields["head_dim"] * fields["num_attention_heads"] != fields["hidden_size"]:
-        raise ConfigError("granitemoehybrid: head_dim must be hidden_size / num_attention_heads")
-    out = {key: fields[field] for key, field in _GRANITE_RENAMES.items()}
-    rope = fields["rope_theta"] is not None
+        raise ConfigError(f"{fields['model_type']}: head_dim must be hidden_size / num_attention_heads")
+    out = {key: fields[field] for key, field in _MAMBA_RENAMES.items()}
+    out.update({key: fields[key] for key in _SAME_KEYS})
+    eos = fields["eos_token_ids"]
     out.update({
-        "layer_types": list(fields["layer_types"]), "num_hidden_layers": len(fields["layer_types"]),
-        "hidden_act": fields["mlp_hidden_act"],
+        "num_hidden_layers": len(fields["layer_types"]), "hidden_act": fields["mlp_hidden_act"],
         "mamba_d_head": fields["mamba_head_dim"],
         "mamba_expand": fields["mamba_num_heads"] * fields["mamba_head_dim"] // fields["hidden_size"],
-        "position_embedding_type": "rope" if rope else None,
         "time_step_limit": list(fields["dt_limit"] or (0.0, math.inf)),
-        "rope_parameters": {"rope_type": "default", "rope_theta": fields["rope_theta"] if rope else 10000.0,
-                            **({"partial_rotary_factor": fields["partial_rotary_factor"]}
-                               if fields["partial_rotary_factor"] != 1.0 else {})},
+        "rope_parameters": {"rope_type": "default", "rope_theta": fields["rope_theta"] or 10000.0,
+                            "partial_rotary_factor": fields["partial_rotary_factor"]},
+        "eos_token_id": eos[0] if len(eos) == 1 else list(eos),
     })
-    for key in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
-                "num_experts_per_tok", "embedding_multiplier", "residual_multiplier", "logits_scaling",
-                "attention_multiplier", "tie_word_embeddings", "pad_token_id", "bos_token_id"):
-        out[key] = fields[key]
-    eos = fields["eos_token_ids"]
-    out["eos_token_id"] = eos[0] if len(eos) == 1 else list(eos)
     return out
 
 
-FROM_HF: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {GRANITE: granite_from_hf}
-TO_HF: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {GRANITE: granite_to_hf}
+def granite_to_hf(fields: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig fields -> the config.json transformers' GraniteMoeHybridConfig reads back to them."""
+    out = _mamba_hybrid_to_hf(fields)
+    out.update({key: fields[field] for key, field in _GRANITE_RENAMES.items()})
+    out.update({key: fields[key] for key in ("num_experts_per_tok", "embedding_multiplier", "residual_multiplier",
+                                             "logits_scaling", "attention_multiplier")})
+    out["layer_types"] = list(fields["layer_types"])
+    out["position_embedding_type"] = "rope" if fields["rope_theta"] is not None else None
+    return out
+
+
+def bamba_to_hf(fields: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig fields -> the config.json transformers' BambaConfig reads back to them."""
+    out = _mamba_hybrid_to_hf(fields)
+    out["attn_layer_indices"] = [i for i, t in enumerate(fields["layer_types"]) if t == "full_attention"]
+    out["intermediate_size"], out["mlp_bias"] = fields["intermediate_size"], fields["mlp_bias"]
+    return out
+
+
+FROM_HF: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {GRANITE: granite_from_hf, BAMBA: bamba_from_hf}
+TO_HF: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {GRANITE: granite_to_hf, BAMBA: bamba_to_hf}

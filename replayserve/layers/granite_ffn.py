@@ -1,5 +1,6 @@
-"""Granite 4.0-H's feed-forward layers: the SwiGLU shared MLP every layer has and the softmax-routed
-MoE beside it, with the parameter names of IBM's checkpoints (`input_linear` holds gate and up)."""
+"""The SwiGLU feed-forward layers of Granite 4.0-H (the shared MLP every layer has and the
+softmax-routed MoE beside it; `input_linear` holds gate and up) and Bamba (three projections),
+with the parameter names of their checkpoints."""
 
 from __future__ import annotations
 
@@ -62,3 +63,16 @@ class SoftmaxMoE(nn.Module):
             y = F.linear(F.silu(gate) * up, self.output_linear.weight[expert]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
         return out
+
+
+class SwiGLUMLP(nn.Module):
+    """Bamba's MLP: down(silu(gate(x)) * up(x)), three projections."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -23,36 +23,60 @@ from replayserve.ops.dtypes import compute_dtype
 from replayserve.ssm.backend import SSMBackend
 
 
-class GraniteDecoderLayer(nn.Module):
-    """`index` counts the layers of the same mixer kind (Mamba state, KV cache)."""
+class MixerLayer(nn.Module):
+    """A decoder layer's first half: `input_layernorm` and a Mamba2 (`mamba`) or attention
+    (`self_attn`) mixer; `index` counts the layers of the same mixer kind (Mamba state, KV cache).
+    Subclasses add the feed-forward half (`ffn`)."""
 
     def __init__(self, cfg: ModelConfig, block_type: str, index: int) -> None:
         super().__init__()
         self.block_type = block_type
         self.index = index
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
         if block_type == MAMBA:
             self.mamba = Mamba2Mixer(cfg, index)
         else:
             self.self_attn = Attention(cfg)
+
+    def mix(self, normed: torch.Tensor, ctx: StepContext, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+            ssm: SSMBackend | None) -> torch.Tensor:
+        if self.block_type == MAMBA:
+            return self.mamba(normed, ctx, ssm)
+        return self.self_attn(normed, ctx, kv_caches[self.index])
+
+    def ffn(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The feed-forward half's output (before the residual add) from the residual stream."""
+        raise NotImplementedError
+
+
+class GraniteDecoderLayer(MixerLayer):
+    def __init__(self, cfg: ModelConfig, block_type: str, index: int) -> None:
+        super().__init__(cfg, block_type, index)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
         self.shared_mlp = SharedMLP(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size)
         self.block_sparse_moe = SoftmaxMoE(cfg) if cfg.n_routed_experts else None
 
+    def ffn(self, hidden: torch.Tensor) -> torch.Tensor:
+        normed = self.post_attention_layernorm(hidden)
+        out = self.shared_mlp(normed)
+        return out if self.block_sparse_moe is None else self.block_sparse_moe(normed) + out
 
-class GraniteModel(nn.Module):
-    """The backbone (`model.*` in a checkpoint: the loader reads it as `backbone.*`)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+class HybridModel(nn.Module):
+    """The backbone (`model.*` in a checkpoint: the loader reads it as `backbone.*`): the embedding,
+    the layers, and the final norm under the family's name."""
+
+    def __init__(self, cfg: ModelConfig, layer_class: type[MixerLayer], final_norm_name: str) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         counts: dict[str, int] = {}
         layers = []
         for block_type in cfg.layer_types:
-            layers.append(GraniteDecoderLayer(cfg, block_type, counts.get(block_type, 0)))
+            layers.append(layer_class(cfg, block_type, counts.get(block_type, 0)))
             counts[block_type] = counts.get(block_type, 0) + 1
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        self.final_norm_name = final_norm_name
+        setattr(self, final_norm_name, RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon))
 
     @property
     def embeddings(self) -> nn.Embedding:
@@ -63,11 +87,13 @@ class GraniteModel(nn.Module):
 class GraniteMoeHybridForCausalLM(nn.Module):
     # How a checkpoint spells `backbone.` (models/writer.py writes it so).
     checkpoint_prefix = "model."
+    layer_class: type[MixerLayer] = GraniteDecoderLayer
+    final_norm_name = "norm"
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.backbone = GraniteModel(cfg)
+        self.backbone = HybridModel(cfg, self.layer_class, self.final_norm_name)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.backbone.embed_tokens.weight
@@ -92,18 +118,9 @@ class GraniteMoeHybridForCausalLM(nn.Module):
         cfg = self.config
         hidden = self.backbone.embed_tokens(input_ids) * cfg.embedding_multiplier
         for layer in self.backbone.layers:
-            normed = layer.input_layernorm(hidden)
-            if layer.block_type == MAMBA:
-                out = layer.mamba(normed, ctx, ssm)
-            else:
-                out = layer.self_attn(normed, ctx, kv_caches[layer.index])
-            hidden = hidden + out * cfg.residual_multiplier
-            normed = layer.post_attention_layernorm(hidden)
-            out = layer.shared_mlp(normed)
-            if layer.block_sparse_moe is not None:
-                out = layer.block_sparse_moe(normed) + out
-            hidden = hidden + out * cfg.residual_multiplier
-        return self.backbone.norm(hidden)
+            hidden = hidden + layer.mix(layer.input_layernorm(hidden), ctx, kv_caches, ssm) * cfg.residual_multiplier
+            hidden = hidden + layer.ffn(hidden) * cfg.residual_multiplier
+        return getattr(self.backbone, self.final_norm_name)(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(S, hidden_size) -> (S, vocab) in the compute dtype, divided by logits_scaling."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from replayserve.config import ConfigError, ModelConfig
+from replayserve.models.bamba import BambaForCausalLM
 from replayserve.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from replayserve.models.nemotron_h import NemotronHForCausalLM
 
@@ -31,6 +32,7 @@ class ModelFamily:
 FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("nemotron_h", ("NemotronHForCausalLM",), NemotronHForCausalLM),
     ModelFamily("granitemoehybrid", ("GraniteMoeHybridForCausalLM",), GraniteMoeHybridForCausalLM),
+    ModelFamily("bamba", ("BambaForCausalLM",), BambaForCausalLM),
 )
 
 

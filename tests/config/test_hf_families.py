@@ -76,3 +76,30 @@ def test_make_tiny_writes_a_granite_checkpoint(tmp_path: Path) -> None:
                                                                     "linear_attention"]
     with pytest.raises(SystemExit):
         main(["make-tiny", str(tmp_path / "x"), "--family", "granite", "--layers", "M-E"])
+
+
+BAMBA_TINY = tiny_config("M*MM*M", family="bamba")
+
+
+def test_bamba_config_round_trips_and_reads_its_layers_from_attn_layer_indices() -> None:
+    raw = BAMBA_TINY.to_hf_dict()
+    assert raw["attn_layer_indices"] == [1, 4] and raw["num_hidden_layers"] == 6
+    assert ModelConfig.from_hf_dict(raw) == BAMBA_TINY
+    del raw["rope_parameters"]  # transformers' default: RoPE on half of each head
+    assert ModelConfig.from_hf_dict(raw).partial_rotary_factor == 0.5
+
+
+@pytest.mark.parametrize(("edits", "key"), [
+    ({"attn_layer_indices": [6]}, "attn_layer_indices"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_parameters.rope_type"),
+    ({"hidden_act": "relu"}, "hidden_act"),
+    ({"mamba_expand": 3}, "mamba_d_head"),
+])
+def test_bamba_values_it_cannot_run_fail_naming_the_key(edits: dict, key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        ModelConfig.from_hf_dict({**BAMBA_TINY.to_hf_dict(), **edits})
+
+
+def test_granite_refuses_a_partial_rotary_factor_its_reference_ignores() -> None:
+    with pytest.raises(ConfigError, match="rope_parameters.partial_rotary_factor"):
+        _granite(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})

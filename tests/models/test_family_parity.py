@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+from transformers import BambaConfig, BambaForCausalLM, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
 from replayserve.builtin.tiny import init_random_weights
 
@@ -21,6 +21,8 @@ _GRANITE_BASE = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_
                      intermediate_size=32, shared_intermediate_size=48, mamba_n_heads=8, mamba_d_state=16,
                      mamba_chunk_size=8, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                      embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=1.5, attention_multiplier=0.2)
+_BAMBA_BASE = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                   mamba_n_heads=8, mamba_d_state=16, mamba_chunk_size=8, max_position_embeddings=256)
 _M, _A = "mamba", "attention"
 # (config class, model class, kwargs): several layer mixes, MoE and dense, NoPE and RoPE, group counts.
 FAMILY_CONFIGS: dict[str, tuple[type, type, dict]] = {
@@ -39,6 +41,14 @@ FAMILY_CONFIGS: dict[str, tuple[type, type, dict]] = {
         "time_step_limit": [0.002, 0.05], "tie_word_embeddings": True,
         # With tied embeddings a dominant embedding makes the token itself the argmax: a repeated token.
         "embedding_multiplier": 0.1, "residual_multiplier": 1.5}),
+    # Bamba: RoPE on half of each head (transformers' default), 2 groups, GQA.
+    "bamba_half_rope_g2": (BambaConfig, BambaForCausalLM, {
+        **_BAMBA_BASE, "attn_layer_indices": [1, 3], "num_hidden_layers": 5, "mamba_n_groups": 2}),
+    # Bamba: full RoPE, 1 group, MHA, an MLP bias, attention first.
+    "bamba_full_rope_g1": (BambaConfig, BambaForCausalLM, {
+        **_BAMBA_BASE, "attn_layer_indices": [0], "num_hidden_layers": 3, "mamba_n_groups": 1,
+        "num_key_value_heads": 4, "mlp_bias": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 1.0}}),
 }
 
 
@@ -47,7 +57,9 @@ def make_family_checkpoint(out_dir: Path, name: str, seed: int = 0) -> Path:
     one token), saved by transformers."""
     config_class, model_class, kwargs = FAMILY_CONFIGS[name]
     torch.manual_seed(seed)
-    model = model_class(config_class(**kwargs, num_hidden_layers=len(kwargs["layer_types"]))).eval()
+    if "layer_types" in kwargs:
+        kwargs = {**kwargs, "num_hidden_layers": len(kwargs["layer_types"])}
+    model = model_class(config_class(**kwargs)).eval()
     init_random_weights(model, seed)
     model.save_pretrained(out_dir)
     return out_dir
