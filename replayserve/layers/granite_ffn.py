@@ -11,6 +11,10 @@ from torch import nn
 from replayserve.config import ModelConfig
 from replayserve.layers.linear import Linear
 
+# Up to this many tokens the CUDA path runs every expert densely (graph-safe; E / top_k times the
+# routed FLOPs, which decode batches afford); grouped SwiGLU expert kernels are not written yet.
+DENSE_MAX_TOKENS = 256
+
 
 class SharedMLP(nn.Module):
     """silu(gate) * up, gate and up the two halves of `input_linear`'s output."""
@@ -51,11 +55,18 @@ class SoftmaxMoE(nn.Module):
         self.output_linear = ExpertWeights(num, cfg.hidden_size, inner)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, hidden) -> (T, hidden). The per-expert reference loop: it reads the chosen experts
-        back to the host, so it is not CUDA-graph safe."""
+        """x (T, hidden) -> (T, hidden). On the CPU, and on CUDA above DENSE_MAX_TOKENS tokens, the
+        per-expert loop transformers runs (it reads the chosen experts back to the host); on CUDA up
+        to DENSE_MAX_TOKENS tokens (decode steps), every expert on every token with the unchosen ones
+        weighted 0: no host sync, so CUDA graphs capture it."""
         logits = F.linear(x, self.router.layer.weight).float()
         top_logits, top_ids = logits.topk(self.top_k, dim=-1)
         weights = torch.softmax(top_logits, dim=-1).to(x.dtype)
+        if x.is_cuda and x.shape[0] <= DENSE_MAX_TOKENS:
+            dense = torch.zeros_like(logits, dtype=x.dtype).scatter_(1, top_ids, weights)  # (T, E)
+            gate, up = torch.matmul(x, self.input_linear.weight.transpose(1, 2)).chunk(2, dim=-1)  # (E, T, I)
+            y = torch.matmul(F.silu(gate) * up, self.output_linear.weight.transpose(1, 2))  # (E, T, hidden)
+            return (y * dense.t()[:, :, None]).sum(0)
         out = torch.zeros_like(x)
         for expert in top_ids.unique().tolist():
             token, slot = torch.where(top_ids == expert)
