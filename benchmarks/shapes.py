@@ -3,7 +3,7 @@
 A shape is a layer pattern (`LAYERS`, the `hybrid_override_pattern` alphabet: M Mamba2, * attention,
 - MLP, E MoE) plus `ModelConfig` fields that replace `replayserve.builtin.tiny.tiny_config`'s (`SIZES`),
 of the family `FAMILY` names (Nemotron-H unless it names another; a Granite or Bamba layer is M or *,
-each with its MLP).
+each with its MLP; a Falcon-H1 layer is M, with both mixers).
 `make_tiny(dir, layers=LAYERS[s], **SIZES[s])` writes one to disk; `random_model` builds one on the
 device directly (no checkpoint), which is the only practical way for `nemotron-h-8b`, and
 `write_checkpoint` writes what it builds for the benchmarks that need a model directory.
@@ -83,6 +83,17 @@ SIZES: dict[str, dict] = {
     "bamba-9b": {"vocab_size": 128256, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
                  "head_dim": 128, "intermediate_size": 14336, "mamba_num_heads": 128, "mamba_head_dim": 64,
                  "ssm_state_size": 128, "n_groups": 1, "chunk_size": 256, "max_position_embeddings": 262144},
+    # tiiuae/Falcon-H1-7B: 44 layers, each with both mixers; hidden 3072, 12 heads of 128 over 2 KV heads,
+    # MLP 12288, 24 Mamba heads of 128 (mamba_d_ssm 3072), state 256, one group, chunk 128, vocabulary
+    # 130048, untied (the published config.json's sizes as a public test fixture copies them). Its muP
+    # multipliers were not in that source: neutral here, as the SSM norm's placement (after the gate).
+    "falcon-h1-7b": {"vocab_size": 130048, "hidden_size": 3072, "num_attention_heads": 12, "num_key_value_heads": 2,
+                     "head_dim": 128, "intermediate_size": 12288, "mamba_num_heads": 24, "mamba_head_dim": 128,
+                     "ssm_state_size": 256, "n_groups": 1, "chunk_size": 128, "max_position_embeddings": 262144,
+                     "embedding_multiplier": 1.0, "logits_scaling": 1.0, "ssm_in_multiplier": 1.0,
+                     "ssm_out_multiplier": 1.0, "ssm_multipliers": (), "attention_in_multiplier": 1.0,
+                     "attention_out_multiplier": 1.0, "key_multiplier": 1.0, "mlp_multipliers": (),
+                     "mamba_norm_before_gate": False},
 }
 LAYERS: dict[str, str] = {
     "tiny": "M*-ME",
@@ -97,9 +108,12 @@ LAYERS: dict[str, str] = {
     "granite-4.0-h-small": "MMMMM*MMMMMMMMM*MMMMMMMMM*MMMMMMMMM*MMMM",
     # 32 layers: attention at 9, 18, 27.
     "bamba-9b": "MMMMMMMMM*MMMMMMMM*MMMMMMMM*MMMM",
+    # 44 layers, each a Mamba2 and an attention mixer side by side.
+    "falcon-h1-7b": "M" * 44,
 }
 # The family of each shape that is not Nemotron-H (a make-tiny --family name).
-FAMILY: dict[str, str] = {"granite-4.0-h-tiny": "granite", "granite-4.0-h-small": "granite", "bamba-9b": "bamba"}
+FAMILY: dict[str, str] = {"granite-4.0-h-tiny": "granite", "granite-4.0-h-small": "granite", "bamba-9b": "bamba",
+                          "falcon-h1-7b": "falcon_h1"}
 
 
 def model_config(size: str) -> ModelConfig:

@@ -276,11 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("make-tiny", help="write a random tiny model of a supported family in Hugging Face format")
     tiny.add_argument("dir", help="the directory to write")
     tiny.add_argument("--seed", type=int, default=0, help="weights seed (default %(default)s)")
-    tiny.add_argument("--family", default="nemotron_h", choices=("nemotron_h", "granite", "bamba"),
+    tiny.add_argument("--family", default="nemotron_h", choices=("nemotron_h", "granite", "bamba", "falcon_h1"),
                       help="the model family (default %(default)s)")
     tiny.add_argument("--layers", default=None,
                       help="layer pattern: M Mamba2, * attention, - MLP, E MoE (nemotron_h only); default M*-ME "
-                           "for nemotron_h, M*MM*M for the others, whose every layer has its MLP")
+                           "for nemotron_h, M*MM*M for granite and bamba (every layer has its MLP), MMM for "
+                           "falcon_h1 (one M per layer, each with both mixers)")
     tiny.add_argument("--force", action="store_true", help="overwrite a non-empty directory")
     return parser
 

@@ -17,7 +17,7 @@ from replayserve.models.registry import family_of
 from replayserve.models.writer import save_model
 
 # make-tiny's --family names: the config.json model_type of each.
-TINY_FAMILIES = {"nemotron_h": "nemotron_h", "granite": "granitemoehybrid", "bamba": "bamba"}
+TINY_FAMILIES = {"nemotron_h": "nemotron_h", "granite": "granitemoehybrid", "bamba": "bamba", "falcon_h1": "falcon_h1"}
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2, as the model config expects
 
@@ -60,7 +60,7 @@ def tiny_config(layers: str = "M*-ME", vocab_size: int = 512, family: str = "nem
     so that a test of it sees every one of them."""
     if family not in TINY_FAMILIES:
         raise ValueError(f"--family: unknown family {family!r}; use one of {sorted(TINY_FAMILIES)}")
-    allowed = "M*" if family != "nemotron_h" else "".join(PATTERN_CHARS)
+    allowed = {"nemotron_h": "".join(PATTERN_CHARS), "falcon_h1": "M"}.get(family, "M*")
     unknown = sorted(set(layers) - set(allowed))
     if unknown:
         raise ValueError(f"--layers: unknown characters {unknown} for family {family}; use {sorted(allowed)}")
@@ -74,6 +74,17 @@ def tiny_config(layers: str = "M*-ME", vocab_size: int = 512, family: str = "nem
             moe_shared_expert_intermediate_size=96, layer_norm_epsilon=1e-6, embedding_multiplier=2.0,
             residual_multiplier=0.5, logits_scaling=2.0, attention_multiplier=0.125, rope_theta=10000.0,
             dt_limit=(0.0, math.inf),
+        )
+    if family == "falcon_h1":  # every layer has both mixers: `layers` counts the layers ("M" each)
+        return ModelConfig(
+            layer_types=(MAMBA, ATTENTION) * len(layers), model_type="falcon_h1",
+            architectures=("FalconH1ForCausalLM",), vocab_size=vocab_size, hidden_size=128, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, intermediate_size=256,
+            mlp_hidden_act="silu", mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2,
+            chunk_size=16, n_routed_experts=0, rope_theta=10000.0, dt_limit=(0.0, math.inf),
+            embedding_multiplier=1.5, logits_scaling=1.25, ssm_in_multiplier=0.9, ssm_out_multiplier=1.2,
+            ssm_multipliers=(1.2, 0.9, 1.1, 0.8, 1.3), attention_in_multiplier=1.1, attention_out_multiplier=0.6,
+            key_multiplier=0.9, mlp_multipliers=(0.8, 1.2), mamba_rms_norm=True, mamba_norm_before_gate=True,
         )
     if family == "bamba":
         return ModelConfig(
@@ -118,13 +129,13 @@ def make_tiny(out_dir: str | Path, seed: int = 0, layers: str | None = None, fam
     """Writes config.json, model.safetensors and tokenizer.json to `out_dir`, in the family's
     Hugging Face layout (the files transformers' class of the family loads).
 
-    layers: the layer pattern (default "M*-ME" for Nemotron-H, "M*MM*M" for the others).
+    layers: the layer pattern (default "M*-ME" for Nemotron-H, "MMM" for Falcon-H1, "M*MM*M" for the others).
     sizes: ModelConfig fields to override (e.g. hidden_size=1024 for a benchmark-sized model).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
-    pattern = layers if layers is not None else "M*-ME" if family == "nemotron_h" else "M*MM*M"
+    pattern = layers if layers is not None else {"nemotron_h": "M*-ME", "falcon_h1": "MMM"}.get(family, "M*MM*M")
     cfg = dataclasses.replace(tiny_config(pattern, tokenizer.get_vocab_size(), family), **sizes)
     model = family_of(cfg).model_class(cfg)
     init_random_weights(model, seed)

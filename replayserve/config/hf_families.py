@@ -18,10 +18,14 @@ from replayserve.config.checks import ConfigError
 
 GRANITE = "granitemoehybrid"
 BAMBA = "bamba"
+FALCON_H1 = "falcon_h1"
 
 # ModelConfig fields that only the families here set; a Nemotron-H config.json naming one is refused.
 FAMILY_FIELDS = frozenset({"embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier",
-                           "rope_theta", "partial_rotary_factor", "dt_limit"})
+                           "rope_theta", "partial_rotary_factor", "dt_limit", "ssm_in_multiplier",
+                           "ssm_out_multiplier", "ssm_multipliers", "attention_in_multiplier",
+                           "attention_out_multiplier", "key_multiplier", "mlp_multipliers", "mamba_rms_norm",
+                           "mamba_norm_before_gate"})
 
 # transformers 5.24's defaults (GraniteMoeHybridConfig, BambaConfig), for keys a config.json leaves out.
 _MAMBA_DEFAULTS: dict[str, Any] = {
@@ -42,6 +46,18 @@ _BAMBA_DEFAULTS: dict[str, Any] = {
     "num_hidden_layers": 32, "max_position_embeddings": 262144, "rms_norm_eps": 1e-5, "pad_token_id": 0,
     "attn_layer_indices": None, "mlp_bias": False,
 }
+_FALCON_DEFAULTS: dict[str, Any] = {
+    **_MAMBA_DEFAULTS, "vocab_size": 128000, "intermediate_size": 14336, "num_key_value_heads": 8,
+    "num_hidden_layers": 32, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "pad_token_id": 0,
+    "mamba_d_ssm": 1024, "mamba_norm_before_gate": True, "mamba_rms_norm": False, "projectors_bias": False,
+    "lm_head_multiplier": 1.0, "embedding_multiplier": 1.0, "mlp_multipliers": None, "key_multiplier": 1.0,
+    "attention_out_multiplier": 1.0, "attention_in_multiplier": 1.0, "ssm_multipliers": None,
+    "ssm_in_multiplier": 1.0, "ssm_out_multiplier": 1.0, "mlp_bias": False,
+}
+# Falcon-H1's multipliers kept as they are named.
+_FALCON_SAME = ("embedding_multiplier", "key_multiplier", "attention_out_multiplier", "attention_in_multiplier",
+                "ssm_in_multiplier", "ssm_out_multiplier", "mamba_rms_norm", "mamba_norm_before_gate",
+                "intermediate_size", "mlp_bias")
 # Keys that change nothing at inference.
 _IGNORED = frozenset({"router_aux_loss_coef", "output_router_logits", "init_method", "z_loss_coefficient"})
 # Renamed one to one: the family's key -> ModelConfig's.
@@ -93,9 +109,10 @@ def _layer_types(raw: dict[str, Any], allowed: tuple[str, ...]) -> list[str]:
     return out
 
 
-def _mamba_hybrid(hf: dict[str, Any], out: dict[str, Any]) -> None:
-    """The keys Granite 4.0-H and Bamba share (attention, Mamba2, activation), popped from `hf`
-    into ModelConfig's keys in `out`."""
+def _mamba_hybrid(hf: dict[str, Any], out: dict[str, Any], inner: int | None = None) -> None:
+    """The keys Granite 4.0-H, Bamba and Falcon-H1 share (attention, Mamba2, activation), popped
+    from `hf` into ModelConfig's keys in `out`; `inner`: the Mamba2 width where the config gives it
+    (Falcon-H1's mamba_d_ssm), else mamba_expand * hidden_size."""
     if hf.pop("rope_scaling", None) is not None:
         raise _fail("rope_scaling", "unsupported; only null (unscaled RoPE)")
     if hf.pop("attention_bias"):
@@ -110,11 +127,13 @@ def _mamba_hybrid(hf: dict[str, Any], out: dict[str, Any]) -> None:
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     if hf["num_key_value_heads"] is None:
         hf["num_key_value_heads"] = heads
-    if not isinstance(heads, int) or not isinstance(hidden, int) or heads < 1 or hidden % heads:
+    if not isinstance(heads, int) or not isinstance(hidden, int) or heads < 1 or (hidden % heads
+                                                                                   and "head_dim" not in hf):
         raise _fail("num_attention_heads", f"{heads!r} must divide hidden_size={hidden!r}")
-    out["head_dim"] = hidden // heads
+    out["head_dim"] = hf.pop("head_dim", None) or hidden // heads
     expand, mamba_heads, d_head = hf.pop("mamba_expand"), hf["mamba_n_heads"], hf.pop("mamba_d_head")
-    inner = expand * hidden if isinstance(expand, int) else None
+    if inner is None:
+        inner = expand * hidden if isinstance(expand, int) else None
     if d_head == "auto" and inner is not None and isinstance(mamba_heads, int) and mamba_heads > 0:
         d_head = inner // mamba_heads
     if inner is None or not isinstance(d_head, int) or d_head * mamba_heads != inner:
@@ -167,8 +186,42 @@ def bamba_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
     return {**hf, **out}
 
 
+def falcon_h1_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
+    """A FalconH1Config's config.json -> ModelConfig keys. Every layer holds a Mamba2 and an
+    attention mixer side by side: layer_types lists the pair, Mamba2 first, for each layer."""
+    hf = {**_FALCON_DEFAULTS, **{k: v for k, v in raw.items() if k not in _IGNORED}}
+    count = hf.pop("num_hidden_layers")
+    if not isinstance(count, int) or count < 1:
+        raise _fail("num_hidden_layers", f"must be an int >= 1, got {count!r}")
+    if hf.pop("attn_layer_indices", None) is not None:
+        raise _fail("attn_layer_indices", "unsupported; Falcon-H1 has attention in every layer")
+    out: dict[str, Any] = {"layers_block_type": ["linear_attention", "full_attention"] * count, "n_routed_experts": 0}
+    d_ssm = hf.pop("mamba_d_ssm")
+    _mamba_hybrid(hf, out, inner=d_ssm if d_ssm is not None else None)
+    rope = _rope(hf)
+    if rope["partial_rotary_factor"] != 1.0:
+        raise _fail("rope_parameters.partial_rotary_factor", f"{rope['partial_rotary_factor']!r}; Falcon-H1 only 1.0")
+    out.update(rope)
+    if hf.pop("projectors_bias") != hf["mamba_proj_bias"]:
+        raise _fail("projectors_bias", "must equal mamba_proj_bias (the Mamba2 in_proj and out_proj share one bias "
+                                       "setting here)")
+    multiplier = hf.pop("lm_head_multiplier")
+    if not isinstance(multiplier, (int, float)) or isinstance(multiplier, bool) or not 0 < multiplier < math.inf:
+        raise _fail("lm_head_multiplier", f"must be a finite number > 0, got {multiplier!r}")
+    out["logits_scaling"] = 1.0 / multiplier
+    for key, size in (("ssm_multipliers", 5), ("mlp_multipliers", 2)):
+        value = hf.pop(key)
+        out[key] = (1.0,) * size if value is None else tuple(value) if isinstance(value, list) else value
+    for key in _FALCON_SAME:
+        out[key] = hf.pop(key)
+    for key, field in _MAMBA_RENAMES.items():
+        out[field] = hf.pop(key)
+    return {**hf, **out}
+
+
 def _mamba_hybrid_to_hf(fields: dict[str, Any]) -> dict[str, Any]:
-    if fields["head_dim"] * fields["num_attention_heads"] != fields["hidden_size"]:
+    explicit_head_dim = fields["model_type"] == FALCON_H1  # its config.json states head_dim
+    if not explicit_head_dim and fields["head_dim"] * fields["num_attention_heads"] != fields["hidden_size"]:
         raise ConfigError(f"{fields['model_type']}: head_dim must be hidden_size / num_attention_heads")
     out = {key: fields[field] for key, field in _MAMBA_RENAMES.items()}
     out.update({key: fields[key] for key in _SAME_KEYS})
@@ -196,6 +249,21 @@ def granite_to_hf(fields: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def falcon_h1_to_hf(fields: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig fields -> the config.json transformers' FalconH1Config reads back to them."""
+    out = _mamba_hybrid_to_hf(fields)
+    inner = fields["mamba_num_heads"] * fields["mamba_head_dim"]
+    out.update({key: fields[key] for key in _FALCON_SAME})
+    out.update({
+        "num_hidden_layers": len(fields["layer_types"]) // 2, "head_dim": fields["head_dim"], "mamba_d_ssm": inner,
+        "mamba_expand": max(1, inner // fields["hidden_size"]), "projectors_bias": fields["use_bias"],
+        "lm_head_multiplier": 1.0 / fields["logits_scaling"],
+        "ssm_multipliers": list(fields["ssm_multipliers"] or (1.0,) * 5),
+        "mlp_multipliers": list(fields["mlp_multipliers"] or (1.0, 1.0)),
+    })
+    return out
+
+
 def bamba_to_hf(fields: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig fields -> the config.json transformers' BambaConfig reads back to them."""
     out = _mamba_hybrid_to_hf(fields)
@@ -204,5 +272,7 @@ def bamba_to_hf(fields: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-FROM_HF: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {GRANITE: granite_from_hf, BAMBA: bamba_from_hf}
-TO_HF: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {GRANITE: granite_to_hf, BAMBA: bamba_to_hf}
+FROM_HF: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    GRANITE: granite_from_hf, BAMBA: bamba_from_hf, FALCON_H1: falcon_h1_from_hf}
+TO_HF: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    GRANITE: granite_to_hf, BAMBA: bamba_to_hf, FALCON_H1: falcon_h1_to_hf}

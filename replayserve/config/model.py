@@ -126,6 +126,16 @@ class ModelConfig:
     rope_theta: float | None = None  # None: no positional encoding in attention (NoPE)
     partial_rotary_factor: float = 1.0  # the share of each head's dimensions RoPE rotates
     dt_limit: tuple[float, ...] = ()  # (min, max) clamp of the time step; (): (time_step_min, inf)
+    # Falcon-H1's muP multipliers (attention and Mamba2 side by side in every layer).
+    ssm_in_multiplier: float = 1.0
+    ssm_out_multiplier: float = 1.0
+    ssm_multipliers: tuple[float, ...] = ()  # z, x, B, C, dt sections of in_proj's output; (): all 1
+    attention_in_multiplier: float = 1.0
+    attention_out_multiplier: float = 1.0
+    key_multiplier: float = 1.0
+    mlp_multipliers: tuple[float, ...] = ()  # (gate, down); (): both 1
+    mamba_rms_norm: bool = True  # false: the scan's output is only gated, y * silu(z)
+    mamba_norm_before_gate: bool = False  # true: norm(y) * silu(z); false (Nemotron-H): norm(y * silu(z))
 
     def __post_init__(self) -> None:
         def fail(option: str, why: str) -> None:
@@ -153,6 +163,9 @@ class ModelConfig:
             (MOE not in self.layer_types or routed, "n_routed_experts", "0 with moe layers; they need experts"),
             (0 < self.partial_rotary_factor <= 1 and rotary_dim % 2 == 0, "partial_rotary_factor",
              f"{self.partial_rotary_factor}; a share in (0, 1] of head_dim={self.head_dim} that is even"),
+            (len(self.ssm_multipliers) in (0, 5), "ssm_multipliers",
+             f"{list(self.ssm_multipliers)}; five (z, x, B, C, dt) or none"),
+            (len(self.mlp_multipliers) in (0, 2), "mlp_multipliers", f"{list(self.mlp_multipliers)}; two or none"),
             (not self.dt_limit or (len(self.dt_limit) == 2 and 0 <= self.dt_limit[0] <= self.dt_limit[1]),
              "dt_limit", f"{list(self.dt_limit)}; [min, max] with 0 <= min <= max"),
             (self.mamba_hidden_act == "silu", "mamba_hidden_act", f"{self.mamba_hidden_act!r}; only 'silu'"),

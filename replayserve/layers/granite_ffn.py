@@ -1,5 +1,5 @@
 """The SwiGLU feed-forward layers of Granite 4.0-H (the shared MLP every layer has and the
-softmax-routed MoE beside it; `input_linear` holds gate and up) and Bamba (three projections),
+softmax-routed MoE beside it; `input_linear` holds gate and up), Bamba and Falcon-H1 (three projections),
 with the parameter names of their checkpoints."""
 
 from __future__ import annotations
@@ -77,13 +77,20 @@ class SoftmaxMoE(nn.Module):
 
 
 class SwiGLUMLP(nn.Module):
-    """Bamba's MLP: down(silu(gate(x)) * up(x)), three projections."""
+    """Bamba's and Falcon-H1's MLP: down(up(x) * silu(gate(x) * gate_multiplier)) * down_multiplier,
+    three projections (the multipliers are Falcon-H1's `mlp_multipliers`; 1 for Bamba)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
+                 multipliers: tuple[float, ...] = ()) -> None:
         super().__init__()
         self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_multiplier, self.down_multiplier = multipliers or (1.0, 1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        if self.gate_multiplier != 1.0:
+            gate = gate * self.gate_multiplier
+        out = self.down_proj(self.up_proj(x) * F.silu(gate))
+        return out if self.down_multiplier == 1.0 else out * self.down_multiplier

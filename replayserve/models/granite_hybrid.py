@@ -66,17 +66,22 @@ class HybridModel(nn.Module):
     """The backbone (`model.*` in a checkpoint: the loader reads it as `backbone.*`): the embedding,
     the layers, and the final norm under the family's name."""
 
-    def __init__(self, cfg: ModelConfig, layer_class: type[MixerLayer], final_norm_name: str) -> None:
+    def __init__(self, cfg: ModelConfig, layer_class: type, final_norm_name: str) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(self.build_layers(cfg, layer_class))
+        self.final_norm_name = final_norm_name
+        setattr(self, final_norm_name, RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon))
+
+    @staticmethod
+    def build_layers(cfg: ModelConfig, layer_class: type) -> list[nn.Module]:
+        """One layer per entry of layer_types, each told its index among the layers of its kind."""
         counts: dict[str, int] = {}
         layers = []
         for block_type in cfg.layer_types:
             layers.append(layer_class(cfg, block_type, counts.get(block_type, 0)))
             counts[block_type] = counts.get(block_type, 0) + 1
-        self.layers = nn.ModuleList(layers)
-        self.final_norm_name = final_norm_name
-        setattr(self, final_norm_name, RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon))
+        return layers
 
     @property
     def embeddings(self) -> nn.Embedding:
@@ -87,13 +92,14 @@ class HybridModel(nn.Module):
 class GraniteMoeHybridForCausalLM(nn.Module):
     # How a checkpoint spells `backbone.` (models/writer.py writes it so).
     checkpoint_prefix = "model."
-    layer_class: type[MixerLayer] = GraniteDecoderLayer
+    layer_class: type[nn.Module] = GraniteDecoderLayer
+    backbone_class: type[HybridModel] = HybridModel
     final_norm_name = "norm"
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.backbone = HybridModel(cfg, self.layer_class, self.final_norm_name)
+        self.backbone = self.backbone_class(cfg, self.layer_class, self.final_norm_name)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.backbone.embed_tokens.weight

@@ -15,6 +15,7 @@ from torch import nn
 
 from replayserve.config import ConfigError, ModelConfig
 from replayserve.models.bamba import BambaForCausalLM
+from replayserve.models.falcon_h1 import FalconH1ForCausalLM
 from replayserve.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from replayserve.models.nemotron_h import NemotronHForCausalLM
 
@@ -33,6 +34,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("nemotron_h", ("NemotronHForCausalLM",), NemotronHForCausalLM),
     ModelFamily("granitemoehybrid", ("GraniteMoeHybridForCausalLM",), GraniteMoeHybridForCausalLM),
     ModelFamily("bamba", ("BambaForCausalLM",), BambaForCausalLM),
+    ModelFamily("falcon_h1", ("FalconH1ForCausalLM",), FalconH1ForCausalLM),
 )
 
 

@@ -103,3 +103,28 @@ def test_bamba_values_it_cannot_run_fail_naming_the_key(edits: dict, key: str) -
 def test_granite_refuses_a_partial_rotary_factor_its_reference_ignores() -> None:
     with pytest.raises(ConfigError, match="rope_parameters.partial_rotary_factor"):
         _granite(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
+
+
+FALCON_TINY = tiny_config("MM", family="falcon_h1")
+
+
+def test_falcon_h1_config_round_trips_with_one_layer_pair_per_layer() -> None:
+    raw = FALCON_TINY.to_hf_dict()
+    assert raw["num_hidden_layers"] == 2 and raw["lm_head_multiplier"] == pytest.approx(0.8)
+    cfg = ModelConfig.from_hf_dict(raw)
+    assert cfg == FALCON_TINY
+    assert cfg.layer_types == ("linear_attention", "full_attention") * 2
+
+
+@pytest.mark.parametrize(("edits", "key"), [
+    ({"projectors_bias": True}, "projectors_bias"),
+    ({"attn_layer_indices": [0]}, "attn_layer_indices"),
+    ({"ssm_multipliers": [1.0, 1.0]}, "ssm_multipliers"),
+    ({"lm_head_multiplier": 0}, "lm_head_multiplier"),
+    ({"mamba_d_ssm": 100}, "mamba_d_head"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "rope_parameters.partial_rotary_factor"),
+])
+def test_falcon_h1_values_it_cannot_run_fail_naming_the_key(edits: dict, key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        ModelConfig.from_hf_dict({**FALCON_TINY.to_hf_dict(), **edits})

@@ -13,11 +13,12 @@ from replayserve.builtin.tiny import make_tiny
 from tests.conftest import assert_pools_full
 from tests.engine.test_prefix_cache import _llm, _workload
 
-# (family, ModelConfig overrides): Granite with MoE and RoPE (make-tiny's), and dense with NoPE; Bamba.
+# (family, ModelConfig overrides): Granite with MoE and RoPE (make-tiny's), and dense with NoPE; Bamba; Falcon-H1.
 VARIANTS = {
     "granite_moe_rope": ("granite", {}),
     "granite_dense_nope": ("granite", {"n_routed_experts": 0, "rope_theta": None, "n_groups": 1}),
     "bamba": ("bamba", {}),
+    "falcon_h1": ("falcon_h1", {}),
 }
 SETTINGS = [
     ("replay", None, None), ("baseline", "align", None), ("baseline", "all", None), ("replay", "align", None),

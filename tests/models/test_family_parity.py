@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import BambaConfig, BambaForCausalLM, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+from transformers import (
+    BambaConfig,
+    BambaForCausalLM,
+    FalconH1Config,
+    FalconH1ForCausalLM,
+    GraniteMoeHybridConfig,
+    GraniteMoeHybridForCausalLM,
+)
 
 from replayserve.builtin.tiny import init_random_weights
 
@@ -23,6 +30,12 @@ _GRANITE_BASE = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_
                      embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=1.5, attention_multiplier=0.2)
 _BAMBA_BASE = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
                    mamba_n_heads=8, mamba_d_state=16, mamba_chunk_size=8, max_position_embeddings=256)
+_FALCON_MUP = dict(embedding_multiplier=1.5, lm_head_multiplier=0.7, mlp_multipliers=[0.8, 1.2], key_multiplier=0.9,
+                   attention_in_multiplier=1.1, attention_out_multiplier=0.6, ssm_in_multiplier=0.9,
+                   ssm_multipliers=[1.2, 0.9, 1.1, 0.8, 1.3], ssm_out_multiplier=1.2)
+_FALCON_BASE = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                    intermediate_size=96, mamba_n_heads=8, mamba_d_state=16, mamba_chunk_size=8,
+                    max_position_embeddings=256, **_FALCON_MUP)
 _M, _A = "mamba", "attention"
 # (config class, model class, kwargs): several layer mixes, MoE and dense, NoPE and RoPE, group counts.
 FAMILY_CONFIGS: dict[str, tuple[type, type, dict]] = {
@@ -49,6 +62,19 @@ FAMILY_CONFIGS: dict[str, tuple[type, type, dict]] = {
         **_BAMBA_BASE, "attn_layer_indices": [0], "num_hidden_layers": 3, "mamba_n_groups": 1,
         "num_key_value_heads": 4, "mlp_bias": True,
         "rope_parameters": {"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 1.0}}),
+    # Falcon-H1: muP multipliers everywhere, the gated RMS norm before the gate, 2 groups,
+    # mamba_d_ssm (128) apart from mamba_expand * hidden_size, head_dim apart from hidden / heads.
+    "falcon_h1_norm_before_gate_g2": (FalconH1Config, FalconH1ForCausalLM, {
+        **_FALCON_BASE, "num_hidden_layers": 3, "mamba_d_ssm": 128, "mamba_n_groups": 2, "mamba_rms_norm": True,
+        "mamba_norm_before_gate": True}),
+    # Falcon-H1: no SSM norm (y * silu(z)), 4 groups, neutral multipliers in the MLP, MLP bias.
+    "falcon_h1_gate_only_g4": (FalconH1Config, FalconH1ForCausalLM, {
+        **_FALCON_BASE, "num_hidden_layers": 2, "mamba_d_ssm": 64, "mamba_n_groups": 4, "mamba_rms_norm": False,
+        "mlp_multipliers": [1.0, 1.0], "mlp_bias": True}),
+    # Falcon-H1: the norm after the gate (Nemotron-H's order), one group.
+    "falcon_h1_norm_after_gate_g1": (FalconH1Config, FalconH1ForCausalLM, {
+        **_FALCON_BASE, "num_hidden_layers": 2, "mamba_d_ssm": 128, "mamba_n_groups": 1, "mamba_rms_norm": True,
+        "mamba_norm_before_gate": False}),
 }
 
 
