@@ -137,3 +137,9 @@ def test_refusals_name_what_to_change(bf16_dir: Path, tmp_path: Path) -> None:
         quantize_checkpoint(FIXTURE, tmp_path / "b")
     with pytest.raises(SystemExit, match="error: .*already a quantized"):
         main([str(FIXTURE), str(tmp_path / "c")])
+
+
+def test_other_families_are_refused_naming_theirs(tmp_path: Path) -> None:
+    src = make_tiny(tmp_path / "granite", family="granite", layers="M*")
+    with pytest.raises(QuantizationError, match="granitemoehybrid checkpoint; quantize writes Nemotron-H"):
+        quantize_checkpoint(src, tmp_path / "out")
