@@ -42,11 +42,14 @@ class Attention(nn.Module):
         k = self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
         if self.rope is not None:
-            # Made per device on the first (eager) step: not a buffer, which the loader's meta-device
-            # build would leave uninitialised and a cast would round.
+            # Made on the device and kept: not a buffer, which the loader's meta-device build would
+            # leave uninitialised and a cast would round. Not kept when first made inside a CUDA-graph
+            # capture (its memory would belong to the graph's pool).
             inv_freq = self._inv_freq_on.get(hidden.device)
             if inv_freq is None:
-                inv_freq = self._inv_freq_on[hidden.device] = rope_inv_freq(*self.rope).to(hidden.device)
+                inv_freq = rope_inv_freq(*self.rope, device=hidden.device)
+                if not (hidden.is_cuda and torch.cuda.is_current_stream_capturing()):
+                    self._inv_freq_on[hidden.device] = inv_freq
             q, k = apply_rope_ref(q, ctx.positions, inv_freq), apply_rope_ref(k, ctx.positions, inv_freq)
         k_cache, v_cache = kv_cache
         if ctx.uniform_decode:  # fixed shapes, no host sync: the CUDA-graph path

@@ -63,14 +63,18 @@ class FalconMamba2Mixer(Mamba2Mixer):
         self._scale_on: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     def _scale(self, like: torch.Tensor) -> torch.Tensor:
-        """(inner + conv_dim + heads,) in like's dtype and device, made on first use: not a buffer,
-        which the loader's meta-device build would leave uninitialised."""
+        """(inner + conv_dim + heads,) in like's dtype, made on its device by kernels there and kept:
+        not a buffer, which the loader's meta-device build would leave uninitialised. Not kept when
+        first made inside a CUDA-graph capture (its memory would belong to the graph's pool)."""
         key = (like.device, like.dtype)
-        if key not in self._scale_on:
-            parts = [torch.full((n,), m, dtype=torch.float32)
-                     for n, m in zip(self.section_sizes, self.section_multipliers, strict=True)]
-            self._scale_on[key] = torch.cat(parts).to(like.device, like.dtype)
-        return self._scale_on[key]
+        scale = self._scale_on.get(key)
+        if scale is None:
+            sections = zip(self.section_sizes, self.section_multipliers, strict=True)
+            scale = torch.cat([torch.full((n,), m, dtype=torch.float32, device=like.device)
+                               for n, m in sections]).to(like.dtype)
+            if not (like.is_cuda and torch.cuda.is_current_stream_capturing()):
+                self._scale_on[key] = scale
+        return scale
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         proj = self.in_proj(hidden * self.in_multiplier)

@@ -57,12 +57,12 @@ class SoftmaxMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden). On the CPU, and on CUDA above DENSE_MAX_TOKENS tokens, the
         per-expert loop transformers runs (it reads the chosen experts back to the host); on CUDA up
-        to DENSE_MAX_TOKENS tokens (decode steps), every expert on every token with the unchosen ones
-        weighted 0: no host sync, so CUDA graphs capture it."""
+        to DENSE_MAX_TOKENS tokens (decode steps) and in any CUDA-graph capture, every expert on every
+        token with the unchosen ones weighted 0: no host sync, so CUDA graphs capture it."""
         logits = F.linear(x, self.router.layer.weight).float()
         top_logits, top_ids = logits.topk(self.top_k, dim=-1)
         weights = torch.softmax(top_logits, dim=-1).to(x.dtype)
-        if x.is_cuda and x.shape[0] <= DENSE_MAX_TOKENS:
+        if x.is_cuda and (x.shape[0] <= DENSE_MAX_TOKENS or torch.cuda.is_current_stream_capturing()):
             dense = torch.zeros_like(logits, dtype=x.dtype).scatter_(1, top_ids, weights)  # (T, E)
             gate, up = torch.matmul(x, self.input_linear.weight.transpose(1, 2)).chunk(2, dim=-1)  # (E, T, I)
             y = torch.matmul(F.silu(gate) * up, self.output_linear.weight.transpose(1, 2))  # (E, T, hidden)

@@ -10,9 +10,10 @@ import torch
 from torch import Tensor
 
 
-def rope_inv_freq(rotary_dim: int, theta: float) -> Tensor:
-    """(rotary_dim / 2,) float32 inverse frequencies theta^(-2i / rotary_dim), as transformers computes them."""
-    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+def rope_inv_freq(rotary_dim: int, theta: float, device: torch.device | str = "cpu") -> Tensor:
+    """(rotary_dim / 2,) float32 inverse frequencies theta^(-2i / rotary_dim), as transformers computes
+    them, made on `device` by kernels there (no host copy: safe inside a CUDA-graph capture)."""
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
 
 
 def apply_rope_ref(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
