@@ -1,7 +1,9 @@
 """Named model shapes for the benchmarks, and random-weight models of them built in memory.
 
 A shape is a layer pattern (`LAYERS`, the `hybrid_override_pattern` alphabet: M Mamba2, * attention,
-- MLP, E MoE) plus `ModelConfig` fields that replace `replayserve.builtin.tiny.tiny_config`'s (`SIZES`).
+- MLP, E MoE) plus `ModelConfig` fields that replace `replayserve.builtin.tiny.tiny_config`'s (`SIZES`),
+of the family `FAMILY` names (Nemotron-H unless it names another; a Granite or Bamba layer is M or *,
+each with its MLP; a Falcon-H1 layer is M, with both mixers).
 `make_tiny(dir, layers=LAYERS[s], **SIZES[s])` writes one to disk; `random_model` builds one on the
 device directly (no checkpoint), which is the only practical way for `nemotron-h-8b`, and
 `write_checkpoint` writes what it builds for the benchmarks that need a model directory.
@@ -19,8 +21,12 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from replayserve.builtin.tiny import SPECIAL_TOKENS, tiny_config
 from replayserve.config import ModelConfig
-from replayserve.models.nemotron_h import NemotronHForCausalLM
+from replayserve.models.registry import family_of
 from replayserve.models.writer import save_model
+
+# Granite's multipliers at 1 and the attention scale at head_dim ** -0.5.
+_NEUTRAL = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0,
+            "attention_multiplier": None, "rope_theta": None}
 
 SIZES: dict[str, dict] = {
     "tiny": {},
@@ -48,6 +54,46 @@ SIZES: dict[str, dict] = {
                                 "moe_shared_expert_intermediate_size": 3712, "routed_scaling_factor": 2.5,
                                 "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
                                 "max_position_embeddings": 8192},
+    # ibm-granite/granite-4.0-h-tiny (7B total, ~1B active): the published config.json's sizes as a
+    # public test fixture copies them (hidden 1536, 12 heads over 4 KV heads, 64 experts of 512, top 6,
+    # shared MLP 1024, 48 Mamba heads of 64, state 128, one group, chunk 256, vocabulary 100352, tied).
+    # NoPE (IBM: Granite 4.0-H has no positional encoding). The multipliers are left neutral: they were
+    # not in the sources found, and no timing depends on them.
+    "granite-4.0-h-tiny": {"vocab_size": 100352, "hidden_size": 1536, "num_attention_heads": 12,
+                           "num_key_value_heads": 4, "head_dim": 128, "n_routed_experts": 64,
+                           "num_experts_per_tok": 6, "moe_intermediate_size": 512,
+                           "moe_shared_expert_intermediate_size": 1024, "mamba_num_heads": 48,
+                           "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 1, "chunk_size": 256,
+                           "tie_word_embeddings": True, "max_position_embeddings": 131072, **_NEUTRAL},
+    # ibm-granite/granite-4.0-h-small (32B total, 9B active): hidden 4096, 32 heads over 8 KV heads,
+    # 72 experts of 768, top 10, shared MLP 1536, state 128, mamba_expand 2, vocabulary 100352, tied
+    # (the config.json fields a public write-up quotes); 36 Mamba2 and 4 attention layers at 5, 15,
+    # 25, 35 (a public GGUF card). Mamba heads of 64 (128 heads = 2 * 4096 / 64) and one group as the
+    # Tiny's: assumed, not seen in a source.
+    "granite-4.0-h-small": {"vocab_size": 100352, "hidden_size": 4096, "num_attention_heads": 32,
+                            "num_key_value_heads": 8, "head_dim": 128, "n_routed_experts": 72,
+                            "num_experts_per_tok": 10, "moe_intermediate_size": 768,
+                            "moe_shared_expert_intermediate_size": 1536, "mamba_num_heads": 128,
+                            "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 1, "chunk_size": 256,
+                            "tie_word_embeddings": True, "max_position_embeddings": 131072, **_NEUTRAL},
+    # ibm-ai-platform/Bamba-9B: 32 layers, attention at 9, 18, 27, hidden 4096, 32 heads, state 128
+    # (the config.json fields a public fixture copies); 8 KV heads, MLP 14336, 128 Mamba heads of 64,
+    # one group, chunk 256, vocabulary 128256 and RoPE on half of each head: transformers' BambaConfig
+    # defaults and our memory of the card, not seen in a source here.
+    "bamba-9b": {"vocab_size": 128256, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+                 "head_dim": 128, "intermediate_size": 14336, "mamba_num_heads": 128, "mamba_head_dim": 64,
+                 "ssm_state_size": 128, "n_groups": 1, "chunk_size": 256, "max_position_embeddings": 262144},
+    # tiiuae/Falcon-H1-7B: 44 layers, each with both mixers; hidden 3072, 12 heads of 128 over 2 KV heads,
+    # MLP 12288, 24 Mamba heads of 128 (mamba_d_ssm 3072), state 256, one group, chunk 128, vocabulary
+    # 130048, untied (the published config.json's sizes as a public test fixture copies them). Its muP
+    # multipliers were not in that source: neutral here, as the SSM norm's placement (after the gate).
+    "falcon-h1-7b": {"vocab_size": 130048, "hidden_size": 3072, "num_attention_heads": 12, "num_key_value_heads": 2,
+                     "head_dim": 128, "intermediate_size": 12288, "mamba_num_heads": 24, "mamba_head_dim": 128,
+                     "ssm_state_size": 256, "n_groups": 1, "chunk_size": 128, "max_position_embeddings": 262144,
+                     "embedding_multiplier": 1.0, "logits_scaling": 1.0, "ssm_in_multiplier": 1.0,
+                     "ssm_out_multiplier": 1.0, "ssm_multipliers": (), "attention_in_multiplier": 1.0,
+                     "attention_out_multiplier": 1.0, "key_multiplier": 1.0, "mlp_multipliers": (),
+                     "mamba_norm_before_gate": False},
 }
 LAYERS: dict[str, str] = {
     "tiny": "M*-ME",
@@ -57,19 +103,29 @@ LAYERS: dict[str, str] = {
     "nemotron-h-8b": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
     # 23 Mamba2, 23 MoE, 6 attention layers.
     "nemotron-3-nano-30b-a3b": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+    # 40 layers: attention at 5, 15, 25, 35.
+    "granite-4.0-h-tiny": "MMMMM*MMMMMMMMM*MMMMMMMMM*MMMMMMMMM*MMMM",
+    "granite-4.0-h-small": "MMMMM*MMMMMMMMM*MMMMMMMMM*MMMMMMMMM*MMMM",
+    # 32 layers: attention at 9, 18, 27.
+    "bamba-9b": "MMMMMMMMM*MMMMMMMM*MMMMMMMM*MMMM",
+    # 44 layers, each a Mamba2 and an attention mixer side by side.
+    "falcon-h1-7b": "M" * 44,
 }
+# The family of each shape that is not Nemotron-H (a make-tiny --family name).
+FAMILY: dict[str, str] = {"granite-4.0-h-tiny": "granite", "granite-4.0-h-small": "granite", "bamba-9b": "bamba",
+                          "falcon-h1-7b": "falcon_h1"}
 
 
 def model_config(size: str) -> ModelConfig:
     """The ModelConfig of a named shape (vocabulary 512 unless the shape sets one)."""
     if size not in SIZES:
         raise ValueError(f"unknown model shape {size!r}; known: {sorted(SIZES)}")
-    return dataclasses.replace(tiny_config(LAYERS[size]), **SIZES[size])
+    return dataclasses.replace(tiny_config(LAYERS[size], family=FAMILY.get(size, "nemotron_h")), **SIZES[size])
 
 
 @torch.no_grad()
 def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                 seed: int = 0) -> NemotronHForCausalLM:
+                 seed: int = 0) -> torch.nn.Module:
     """A model of `cfg` with random weights, allocated and drawn on `device`.
 
     The value rules are `replayserve.builtin.tiny.init_random_weights`'s (unit norms and D, A_log = log(1..H),
@@ -78,7 +134,7 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | st
     """
     device = torch.device(device)
     with torch.device("meta"):
-        model = NemotronHForCausalLM(cfg)
+        model = family_of(cfg).model_class(cfg)
     model.allocate_(device, dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.backbone.embeddings.weight
@@ -95,7 +151,7 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | st
         elif name.endswith("bias"):
             p.zero_()
         else:
-            std = 1.0 if "embeddings" in name else 1.5 / math.sqrt(p.shape[-1] if p.dim() > 1 else 1)
+            std = 1.0 if "embed" in name else 1.5 / math.sqrt(p.shape[-1] if p.dim() > 1 else 1)
             p.normal_(0.0, std, generator=gen)
     for buffer in model.buffers():  # to_empty leaves them uninitialised (MoE score-correction bias)
         buffer.zero_()

@@ -199,7 +199,10 @@ def _make_tiny(args: argparse.Namespace) -> None:
     out = Path(args.dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
         raise UserError(f"{out} exists and is not an empty directory; pass --force to overwrite it")
-    print(f"wrote {make_tiny(out, seed=args.seed, layers=args.layers)}")
+    try:
+        print(f"wrote {make_tiny(out, seed=args.seed, layers=args.layers, family=args.family)}")
+    except ValueError as e:  # an unknown layer character for the family
+        raise UserError(str(e)) from e
 
 
 def _quantize(args: argparse.Namespace) -> None:
@@ -280,11 +283,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "or a request sent as the server closes the connection fails (default %(default)s)")
     add_engine_options(srv)
 
-    tiny = sub.add_parser("make-tiny", help="write a random tiny Nemotron-H in Hugging Face format")
+    tiny = sub.add_parser("make-tiny", help="write a random tiny model of a supported family in Hugging Face format")
     tiny.add_argument("dir", help="the directory to write")
     tiny.add_argument("--seed", type=int, default=0, help="weights seed (default %(default)s)")
-    tiny.add_argument("--layers", default="M*-ME",
-                      help="layer pattern: M Mamba2, * attention, - MLP, E MoE (default %(default)s)")
+    tiny.add_argument("--family", default="nemotron_h", choices=("nemotron_h", "granite", "bamba", "falcon_h1"),
+                      help="the model family (default %(default)s)")
+    tiny.add_argument("--layers", default=None,
+                      help="layer pattern: M Mamba2, * attention, - MLP, E MoE (nemotron_h only); default M*-ME "
+                           "for nemotron_h, M*MM*M for granite and bamba (every layer has its MLP), MMM for "
+                           "falcon_h1 (one M per layer, each with both mixers)")
     tiny.add_argument("--force", action="store_true", help="overwrite a non-empty directory")
     quant = sub.add_parser("quantize", help="write an FP8 (NVIDIA ModelOpt layout) copy of a 16/32-bit checkpoint "
                                             f"or of {TINY_CODE}")

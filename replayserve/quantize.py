@@ -104,6 +104,9 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, exclude: Seq
         raise FileExistsError(f"output directory {out} exists and is not empty; give a new directory")
     raw_config = json.loads((src / "config.json").read_text())
     cfg = ModelConfig.from_dir(src)
+    if cfg.model_type != "nemotron_h":  # its default excludes and module names are Nemotron-H's
+        raise QuantizationError(f"{src} is a {cfg.model_type} checkpoint; quantize writes Nemotron-H (nemotron_h) "
+                                "checkpoints only")
     with torch.device("meta"):
         model = NemotronHForCausalLM(cfg)
     linears, _ = quantizable_modules(model)

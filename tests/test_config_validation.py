@@ -15,7 +15,7 @@ from replayserve.config import ALLOW_LONG_MAX_MODEL_LEN, ConfigError, EngineConf
 BASE = tiny_config()  # M*-ME: 4 attention heads over 2 KV heads, 8 Mamba heads in 2 groups, 4 experts
 # config.json keys of the fields whose name differs.
 HF_KEY = {"layer_types": "layers_block_type", "mtp_layer_types": "mtp_layers_block_type",
-          "eos_token_ids": "eos_token_id"}
+          "eos_token_ids": "eos_token_id", "dt_limit": "time_step_limit"}
 
 
 def _from_json(**edits: object) -> ModelConfig:
@@ -24,7 +24,8 @@ def _from_json(**edits: object) -> ModelConfig:
 
 def _wrong_value(cls: type, field: str) -> object:
     """A value of the wrong type for `field`: a string where a number is due, else a float."""
-    return "0.5" if typing.get_type_hints(cls)[field] is float else 1.5
+    hint = typing.get_type_hints(cls)[field]
+    return "0.5" if hint is float or float in typing.get_args(hint) else 1.5
 
 
 @pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(ModelConfig)])

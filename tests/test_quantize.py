@@ -152,3 +152,9 @@ def test_the_written_checkpoint_loads_as_fp8_with_dynamic_activations(bf16_dir: 
     assert isinstance(mlp, FP8Linear)
     want = source.backbone.layers[2].mixer.up_proj(x)
     assert ((mlp(x) - want).abs().max() / want.abs().max()).item() < 0.07  # e4m3's 3 mantissa bits
+
+
+def test_other_families_are_refused_naming_theirs(tmp_path: Path) -> None:
+    src = make_tiny(tmp_path / "granite", family="granite", layers="M*")
+    with pytest.raises(QuantizationError, match="granitemoehybrid checkpoint; quantize writes Nemotron-H"):
+        quantize_checkpoint(src, tmp_path / "out")

@@ -1,19 +1,23 @@
-"""Writes a random tiny Nemotron-H in Hugging Face format, with a locally trained tokenizer."""
+"""Writes a random tiny model of a supported family in Hugging Face format, with a locally trained tokenizer."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from torch import nn
 
-from replayserve.config import PATTERN_CHARS, ModelConfig
-from replayserve.models.nemotron_h import NemotronHForCausalLM
+from replayserve.config import ATTENTION, MAMBA, PATTERN_CHARS, ModelConfig
+from replayserve.models.registry import family_of
+from replayserve.models.writer import save_model
+
+# make-tiny's --family names: the config.json model_type of each.
+TINY_FAMILIES = {"nemotron_h": "nemotron_h", "granite": "granitemoehybrid", "bamba": "bamba", "falcon_h1": "falcon_h1"}
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2, as the model config expects
 
@@ -50,10 +54,46 @@ def train_tokenizer(vocab_size: int = 512, texts: Iterable[str] | None = None) -
     return tok
 
 
-def tiny_config(layers: str = "M*-ME", vocab_size: int = 512) -> ModelConfig:
-    unknown = sorted(set(layers) - set(PATTERN_CHARS))
+def tiny_config(layers: str = "M*-ME", vocab_size: int = 512, family: str = "nemotron_h") -> ModelConfig:
+    """A small config of `family` (a TINY_FAMILIES name). Granite's layers are M and * only (each
+    has the shared MLP and 4 experts); its multipliers differ from 1 and its attention has RoPE,
+    so that a test of it sees every one of them."""
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"--family: unknown family {family!r}; use one of {sorted(TINY_FAMILIES)}")
+    allowed = {"nemotron_h": "".join(PATTERN_CHARS), "falcon_h1": "M"}.get(family, "M*")
+    unknown = sorted(set(layers) - set(allowed))
     if unknown:
-        raise ValueError(f"--layers: unknown characters {unknown}; use {sorted(PATTERN_CHARS)}")
+        raise ValueError(f"--layers: unknown characters {unknown} for family {family}; use {sorted(allowed)}")
+    if family == "granite":
+        return ModelConfig(
+            layer_types=tuple(MAMBA if c == "M" else ATTENTION for c in layers), model_type="granitemoehybrid",
+            architectures=("GraniteMoeHybridForCausalLM",), vocab_size=vocab_size, hidden_size=128,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+            mlp_hidden_act="silu", mamba_num_heads=8, mamba_head_dim=32, ssm_state_size=16, n_groups=2,
+            chunk_size=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+            moe_shared_expert_intermediate_size=96, layer_norm_epsilon=1e-6, embedding_multiplier=2.0,
+            residual_multiplier=0.5, logits_scaling=2.0, attention_multiplier=0.125, rope_theta=10000.0,
+            dt_limit=(0.0, math.inf),
+        )
+    if family == "falcon_h1":  # every layer has both mixers: `layers` counts the layers ("M" each)
+        return ModelConfig(
+            layer_types=(MAMBA, ATTENTION) * len(layers), model_type="falcon_h1",
+            architectures=("FalconH1ForCausalLM",), vocab_size=vocab_size, hidden_size=128, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, intermediate_size=256,
+            mlp_hidden_act="silu", mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2,
+            chunk_size=16, n_routed_experts=0, rope_theta=10000.0, dt_limit=(0.0, math.inf),
+            embedding_multiplier=1.5, logits_scaling=1.25, ssm_in_multiplier=0.9, ssm_out_multiplier=1.2,
+            ssm_multipliers=(1.2, 0.9, 1.1, 0.8, 1.3), attention_in_multiplier=1.1, attention_out_multiplier=0.6,
+            key_multiplier=0.9, mlp_multipliers=(0.8, 1.2), mamba_rms_norm=True, mamba_norm_before_gate=True,
+        )
+    if family == "bamba":
+        return ModelConfig(
+            layer_types=tuple(MAMBA if c == "M" else ATTENTION for c in layers), model_type="bamba",
+            architectures=("BambaForCausalLM",), vocab_size=vocab_size, hidden_size=128, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, intermediate_size=256,
+            mlp_hidden_act="silu", mamba_num_heads=8, mamba_head_dim=32, ssm_state_size=16, n_groups=2,
+            chunk_size=16, n_routed_experts=0, rope_theta=10000.0, partial_rotary_factor=0.5, dt_limit=(0.0, math.inf),
+        )
     return ModelConfig(
         layer_types=tuple(PATTERN_CHARS[c] for c in layers),
         vocab_size=vocab_size, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -64,7 +104,7 @@ def tiny_config(layers: str = "M*-ME", vocab_size: int = 512) -> ModelConfig:
 
 
 @torch.no_grad()
-def init_random_weights(model: NemotronHForCausalLM, seed: int) -> None:
+def init_random_weights(model: nn.Module, seed: int) -> None:
     """Random weights with enough scale that greedy text is not one repeated token."""
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
@@ -80,25 +120,25 @@ def init_random_weights(model: NemotronHForCausalLM, seed: int) -> None:
             p.zero_()
         else:
             fan_in = p.shape[-1] if p.dim() > 1 else 1
-            std = 1.0 if "embeddings" in name else 1.5 / math.sqrt(fan_in)
+            std = 1.0 if "embed" in name else 1.5 / math.sqrt(fan_in)
             p.copy_(torch.randn(p.shape, generator=gen) * std)
 
 
-def make_tiny(out_dir: str | Path, seed: int = 0, layers: str = "M*-ME", **sizes: int) -> Path:
-    """Writes config.json, model.safetensors and tokenizer.json to `out_dir`.
+def make_tiny(out_dir: str | Path, seed: int = 0, layers: str | None = None, family: str = "nemotron_h",
+              **sizes: Any) -> Path:
+    """Writes config.json, model.safetensors and tokenizer.json to `out_dir`, in the family's
+    Hugging Face layout (the files transformers' class of the family loads).
 
+    layers: the layer pattern (default "M*-ME" for Nemotron-H, "MMM" for Falcon-H1, "M*MM*M" for the others).
     sizes: ModelConfig fields to override (e.g. hidden_size=1024 for a benchmark-sized model).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
-    cfg = dataclasses.replace(tiny_config(layers, vocab_size=tokenizer.get_vocab_size()), **sizes)
-    model = NemotronHForCausalLM(cfg)
+    pattern = layers if layers is not None else {"nemotron_h": "M*-ME", "falcon_h1": "MMM"}.get(family, "M*MM*M")
+    cfg = dataclasses.replace(tiny_config(pattern, tokenizer.get_vocab_size(), family), **sizes)
+    model = family_of(cfg).model_class(cfg)
     init_random_weights(model, seed)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if cfg.tie_word_embeddings:
-        del state["lm_head.weight"]  # the checkpoint holds the shared matrix once
-    save_file(state, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+    save_model(model, out, torch.float32, max_shard_bytes=2**40)
     tokenizer.save(str(out / "tokenizer.json"))
     return out

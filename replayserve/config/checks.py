@@ -13,6 +13,11 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
+
+class ConfigError(ValueError):
+    """A configuration option has a value this engine does not support."""
+
+
 _NAMES = {bool: "bool", int: "int", float: "float (or int)", str: "str", type(None): "null"}
 
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from replayserve.config.checks import check_field_types, check_minimums
+from replayserve.config.checks import ConfigError, check_field_types, check_minimums
+from replayserve.config.hf_families import FAMILY_FIELDS, FROM_HF, TO_HF
 
 LAYER_TYPES = ("linear_attention", "full_attention", "mlp", "moe")
 MAMBA, ATTENTION, MLP, MOE = LAYER_TYPES
@@ -54,13 +55,9 @@ _LEGACY_HF_KEYS = {
 }
 
 
-class ConfigError(ValueError):
-    """A configuration option has a value this engine does not support."""
-
-
 # config.json keys of the fields whose name differs.
 _HF_KEYS = {"layer_types": "layers_block_type", "mtp_layer_types": "mtp_layers_block_type",
-            "eos_token_ids": "eos_token_id"}
+            "eos_token_ids": "eos_token_id", "dt_limit": "time_step_limit"}
 # Sizes and counts are at least 1 (None where optional), token ids at least 0. A context of one
 # position holds a prompt token but no generated one: max_position_embeddings is at least 2, as
 # the engine's max_model_len (which it defaults and bounds) is.
@@ -68,10 +65,12 @@ _MODEL_MINIMUMS = {
     "max_position_embeddings": 2,
     **dict.fromkeys(("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                      "intermediate_size", "mamba_num_heads", "mamba_head_dim",
-                     "ssm_state_size", "n_groups", "chunk_size", "n_routed_experts", "num_experts_per_tok",
+                     "ssm_state_size", "n_groups", "chunk_size", "num_experts_per_tok",
                      "moe_intermediate_size", "moe_shared_expert_intermediate_size", "moe_latent_size", "n_group",
                      "topk_group"), 1),
     "conv_kernel": 2,
+    # Granite 4.0-H runs with none (num_local_experts 0: the shared MLP alone); MoE layers need some.
+    "n_routed_experts": 0,
     **dict.fromkeys(("pad_token_id", "bos_token_id", "eos_token_ids", "num_nextn_predict_layers"), 0),
 }
 
@@ -121,6 +120,24 @@ class ModelConfig:
     # Which family of models the checkpoint is: models/registry.py picks the model class by these.
     model_type: str = "nemotron_h"
     architectures: tuple[str, ...] = ("NemotronHForCausalLM",)
+    # The other Mamba2 hybrids' own quantities (config/hf_families.py); these values are Nemotron-H's math.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0  # the logits are divided by it
+    attention_multiplier: float | None = None  # the attention scale; None: head_dim ** -0.5
+    rope_theta: float | None = None  # None: no positional encoding in attention (NoPE)
+    partial_rotary_factor: float = 1.0  # the share of each head's dimensions RoPE rotates
+    dt_limit: tuple[float, ...] = ()  # (min, max) clamp of the time step; (): (time_step_min, inf)
+    # Falcon-H1's muP multipliers (attention and Mamba2 side by side in every layer).
+    ssm_in_multiplier: float = 1.0
+    ssm_out_multiplier: float = 1.0
+    ssm_multipliers: tuple[float, ...] = ()  # z, x, B, C, dt sections of in_proj's output; (): all 1
+    attention_in_multiplier: float = 1.0
+    attention_out_multiplier: float = 1.0
+    key_multiplier: float = 1.0
+    mlp_multipliers: tuple[float, ...] = ()  # (gate, down); (): both 1
+    mamba_rms_norm: bool = True  # false: the scan's output is only gated, y * silu(z)
+    mamba_norm_before_gate: bool = False  # true: norm(y) * silu(z); false (Nemotron-H): norm(y * silu(z))
 
     def __post_init__(self) -> None:
         def fail(option: str, why: str) -> None:
@@ -129,7 +146,9 @@ class ModelConfig:
         # Types and ranges first: the relations below divide by these values.
         check_field_types(self, fail)
         check_minimums(self, _MODEL_MINIMUMS, fail)
-        for option in ("layer_norm_epsilon", "routed_scaling_factor"):
+        for option in ("layer_norm_epsilon", "routed_scaling_factor", "logits_scaling", "embedding_multiplier",
+                       "residual_multiplier", *(("rope_theta",) if self.rope_theta is not None else ()),
+                       *(("attention_multiplier",) if self.attention_multiplier is not None else ())):
             if not 0 < getattr(self, option) < math.inf:
                 fail(option, f"must be a finite number > 0, got {getattr(self, option)!r}")
         if not 0 <= self.time_step_min < math.inf:
@@ -138,8 +157,19 @@ class ModelConfig:
         if bad or not self.layer_types:
             raise ConfigError(f"layers_block_type: unsupported layer types {bad or '[]'}; allowed: {LAYER_TYPES}")
         experts_per_group = self.n_routed_experts // self.n_group
+        routed = self.n_routed_experts > 0
+        rotary_dim = int(self.head_dim * self.partial_rotary_factor)
+        act = "silu" if self.model_type in FROM_HF else "relu2"  # the other families' MLPs are SwiGLU
         checks = [
-            (self.mlp_hidden_act == "relu2", "mlp_hidden_act", f"{self.mlp_hidden_act!r}; only 'relu2'"),
+            (self.mlp_hidden_act == act, "mlp_hidden_act", f"{self.mlp_hidden_act!r}; only {act!r}"),
+            (MOE not in self.layer_types or routed, "n_routed_experts", "0 with moe layers; they need experts"),
+            (0 < self.partial_rotary_factor <= 1 and rotary_dim % 2 == 0, "partial_rotary_factor",
+             f"{self.partial_rotary_factor}; a share in (0, 1] of head_dim={self.head_dim} that is even"),
+            (len(self.ssm_multipliers) in (0, 5), "ssm_multipliers",
+             f"{list(self.ssm_multipliers)}; five (z, x, B, C, dt) or none"),
+            (len(self.mlp_multipliers) in (0, 2), "mlp_multipliers", f"{list(self.mlp_multipliers)}; two or none"),
+            (not self.dt_limit or (len(self.dt_limit) == 2 and 0 <= self.dt_limit[0] <= self.dt_limit[1]),
+             "dt_limit", f"{list(self.dt_limit)}; [min, max] with 0 <= min <= max"),
             (self.mamba_hidden_act == "silu", "mamba_hidden_act", f"{self.mamba_hidden_act!r}; only 'silu'"),
             (self.sliding_window is None, "sliding_window", f"{self.sliding_window}; only null"),
             (self.mamba_num_heads % self.n_groups == 0, "n_groups",
@@ -149,11 +179,11 @@ class ModelConfig:
             (self.n_routed_experts % self.n_group == 0, "n_group",
              f"{self.n_group} must divide n_routed_experts={self.n_routed_experts}"),
             # Groups are ranked by the sum of their two best experts.
-            (self.n_group == 1 or experts_per_group >= 2, "n_group",
+            (not routed or self.n_group == 1 or experts_per_group >= 2, "n_group",
              f"{self.n_group} leaves {experts_per_group} expert per group; grouped routing needs at least 2"),
             (self.topk_group <= self.n_group, "topk_group", f"{self.topk_group} > n_group={self.n_group}"),
             # More would pick experts of groups the router masked out.
-            (self.num_experts_per_tok <= self.topk_group * experts_per_group, "num_experts_per_tok",
+            (not routed or self.num_experts_per_tok <= self.topk_group * experts_per_group, "num_experts_per_tok",
              f"{self.num_experts_per_tok} > the {self.topk_group * experts_per_group} experts of topk_group="
              f"{self.topk_group} groups of n_routed_experts / n_group = {experts_per_group}"),
             # An EOS the model cannot emit never ends a request, and min_tokens' ban would index past the logits.
@@ -188,7 +218,9 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Builds the config from a parsed `config.json`; unknown keys are an error."""
-        hf = {_LEGACY_HF_KEYS.get(k, k): v for k, v in raw.items() if k not in _IGNORED_HF_KEYS}
+        translate = FROM_HF.get(raw.get("model_type"))  # type: ignore[arg-type]
+        family_raw = translate(raw) if translate else raw
+        hf = {_LEGACY_HF_KEYS.get(k, k): v for k, v in family_raw.items() if k not in _IGNORED_HF_KEYS}
         if "model_type" not in raw:  # transformers' AutoConfig cannot read such a config either
             raise ConfigError("config.json has no model_type; this engine runs Nemotron-H checkpoints only, "
                               "which declare \"model_type\": \"nemotron_h\"")
@@ -216,7 +248,7 @@ class ModelConfig:
         hf["eos_token_ids"] = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
         if "n_routed_experts" not in hf and "num_local_experts" in hf:
             hf["n_routed_experts"] = hf.pop("num_local_experts")
-        known = {f for f in cls.__dataclass_fields__ if f != "layer_types"}
+        known = {f for f in cls.__dataclass_fields__ if f != "layer_types"} - (set() if translate else FAMILY_FIELDS)
         unknown = sorted(set(hf) - known)
         if unknown:
             raise ConfigError(f"config.json has unsupported keys {unknown}")
@@ -238,7 +270,11 @@ class ModelConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         """The `config.json` content transformers' NemotronHConfig reads back to this config."""
         out: dict[str, Any] = {"architectures": list(self.architectures), "model_type": self.model_type}
+        if self.model_type in TO_HF:
+            return {**out, **TO_HF[self.model_type]({f: getattr(self, f) for f in self.__dataclass_fields__})}
         for name in self.__dataclass_fields__:
+            if name in FAMILY_FIELDS:
+                continue
             value = getattr(self, name)
             if name in out:
                 continue
@@ -258,6 +294,8 @@ def tensor_parallel_error(model: ModelConfig, world: int) -> str | None:
     """Why `model` cannot be split over `world` ranks (None: it can). Heads and inner dimensions
     split evenly; KV heads split, or are replicated when fewer than the ranks; Mamba groups follow
     the heads (ssm/layout.py: MambaShard), so any n_groups works."""
+    if model.model_type != "nemotron_h":
+        return f"tensor parallelism is implemented for nemotron_h only, not {model.model_type}"
     kinds = set(model.layer_types) | set(model.mtp_layer_types)
     sizes = {"num_attention_heads": model.num_attention_heads} if ATTENTION in kinds else {}
     if MAMBA in kinds:

@@ -15,6 +15,7 @@ from replayserve.config import ModelConfig
 from replayserve.layers.linear import Linear
 from replayserve.layers.step_context import StepContext
 from replayserve.ops.attention import write_kv_and_attend, write_kv_and_attend_decode
+from replayserve.ops.rope import apply_rope_ref, rope_inv_freq
 
 
 class Attention(nn.Module):
@@ -23,7 +24,10 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.head_dim**-0.5 if cfg.attention_multiplier is None else cfg.attention_multiplier
+        # RoPE where the config sets rope_theta (Granite 4.0-H with position_embedding_type rope); else NoPE.
+        self.rope = (int(cfg.head_dim * cfg.partial_rotary_factor), cfg.rope_theta) if cfg.rope_theta else None
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
         self.q_proj = Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
         self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
@@ -39,6 +43,16 @@ class Attention(nn.Module):
         q = self.q_proj(hidden).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
+        if self.rope is not None:
+            # Made on the device and kept: not a buffer, which the loader's meta-device build would
+            # leave uninitialised and a cast would round. Not kept when first made inside a CUDA-graph
+            # capture (its memory would belong to the graph's pool).
+            inv_freq = self._inv_freq_on.get(hidden.device)
+            if inv_freq is None:
+                inv_freq = rope_inv_freq(*self.rope, device=hidden.device)
+                if not (hidden.is_cuda and torch.cuda.is_current_stream_capturing()):
+                    self._inv_freq_on[hidden.device] = inv_freq
+            q, k = apply_rope_ref(q, ctx.positions, inv_freq), apply_rope_ref(k, ctx.positions, inv_freq)
         k_cache, v_cache = kv_cache
         if ctx.uniform_decode:  # fixed shapes, no host sync: the CUDA-graph path
             out = write_kv_and_attend_decode(q, k, v, k_cache, v_cache, ctx.slot_mapping, ctx.block_tables,

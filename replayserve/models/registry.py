@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from torch import nn
 
 from replayserve.config import ConfigError, ModelConfig
+from replayserve.models.bamba import BambaForCausalLM
+from replayserve.models.falcon_h1 import FalconH1ForCausalLM
+from replayserve.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from replayserve.models.nemotron_h import NemotronHForCausalLM
 
 
@@ -29,6 +32,9 @@ class ModelFamily:
 
 FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("nemotron_h", ("NemotronHForCausalLM",), NemotronHForCausalLM),
+    ModelFamily("granitemoehybrid", ("GraniteMoeHybridForCausalLM",), GraniteMoeHybridForCausalLM),
+    ModelFamily("bamba", ("BambaForCausalLM",), BambaForCausalLM),
+    ModelFamily("falcon_h1", ("FalconH1ForCausalLM",), FalconH1ForCausalLM),
 )
 
 

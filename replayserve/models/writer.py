@@ -7,23 +7,25 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-
-from replayserve.models.nemotron_h import NemotronHForCausalLM
+from torch import nn
 
 INDEX = "model.safetensors.index.json"
 
 
-def checkpoint_state(model: NemotronHForCausalLM, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def checkpoint_state(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The tensors a checkpoint stores, with Hugging Face names, cast to `dtype` on the CPU: every
     parameter and buffer (the routers' `e_score_correction_bias` too), the LM head once when tied.
-    MoE routers keep their float32 weights in a half checkpoint, as transformers saves them."""
+    MoE routers keep their float32 weights in a half checkpoint, as transformers saves them. The
+    backbone's prefix is the family's (`checkpoint_prefix`: `model.` for Granite 4.0-H)."""
     keep_wide = {n for n in model.state_dict() if ".gate." in n}
+    prefix = getattr(model, "checkpoint_prefix", "backbone.")
     state = {}
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
         target = torch.promote_types(dtype, torch.float32) if name in keep_wide else dtype
-        state[name] = tensor.detach().to("cpu", target).contiguous()
+        stored = prefix + name.removeprefix("backbone.") if name.startswith("backbone.") else name
+        state[stored] = tensor.detach().to("cpu", target).contiguous()
     return state
 
 
@@ -59,7 +61,7 @@ def save_sharded(state: dict[str, torch.Tensor], out_dir: str | Path, max_shard_
     return [*files, out / INDEX]
 
 
-def save_model(model: NemotronHForCausalLM, out_dir: str | Path, dtype: torch.dtype,
+def save_model(model: nn.Module, out_dir: str | Path, dtype: torch.dtype,
                max_shard_bytes: int) -> list[Path]:
     """`config.json` plus the checkpoint of `model` in `dtype`, sharded by `save_sharded`."""
     out = Path(out_dir)

@@ -121,11 +121,22 @@ class Workload:
     faults: dict[int, tuple[str, type[BaseException]]] = field(default_factory=dict)  # step -> (stage, error)
 
 
-def make_workload(seed: int, reference: Reference, models: Models) -> Workload:
+SPEC_METHODS = (None, "ngram", "draft", "mtp", "oracle")
+
+
+def make_models_of(root: Path, family: str) -> Models:
+    """A target and a draft model of another family (make-tiny's `--family`); they have no MTP
+    layers, so their workloads draw from SPEC_METHODS without "mtp"."""
+    return Models(target=make_tiny(root / "target", seed=0, family=family),
+                  draft=make_tiny(root / "draft", seed=1, family=family))
+
+
+def make_workload(seed: int, reference: Reference, models: Models,
+                  spec_methods: tuple[str | None, ...] = SPEC_METHODS) -> Workload:
     rng = random.Random(seed)
     bs = rng.choice((4, 8))
     k = rng.randint(1, 4)
-    spec_method = rng.choice((None, "ngram", "draft", "mtp", "oracle"))
+    spec_method = rng.choice(spec_methods)
     mode = rng.choice((None, "none", "align", "all"))
     grid = bs * rng.choice((1, 2))
     options: dict[str, Any] = {

@@ -1,6 +1,7 @@
 """The randomized differential fuzzer (tests/engine/fuzz_engine.py) on a few dozen seeded
 workloads: backends x cache modes x speculation, stops, aborts, faults at every stage of a step,
-small pools. Tokens equal the solo run's and every pool ends full."""
+small pools. Tokens equal the solo run's and every pool ends full. A few workloads on each of the
+other families' tiny models too."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 from tests.engine import fuzz_engine
 
 WORKLOADS = 24
+# Workloads per family beside Nemotron-H (the model is the one thing that differs).
+FAMILY_WORKLOADS = 12
 
 
 @pytest.fixture(scope="module")
@@ -31,3 +34,14 @@ def test_fuzzed_workloads_equal_the_solo_runs_and_free_everything(fuzz_setup) ->
     assert {o["mamba_cache_mode"] for o in options if o["enable_prefix_caching"]} == {"none", "align", "all"}
     assert {stage for w in workloads for stage, _ in w.faults.values()} == set(fuzz_engine.STAGES)
     assert fired >= WORKLOADS // 2
+
+
+@pytest.mark.parametrize("family", ["granite", "bamba", "falcon_h1"])
+def test_fuzzed_workloads_of_every_family(family: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    models = fuzz_engine.make_models_of(Path(tmp_path_factory.mktemp(f"fuzz_{family}")), family)
+    reference = fuzz_engine.Reference(models)
+    methods = tuple(m for m in fuzz_engine.SPEC_METHODS if m != "mtp")
+    workloads = [fuzz_engine.make_workload(seed, reference, models, methods) for seed in range(FAMILY_WORKLOADS)]
+    for workload in workloads:
+        fuzz_engine.run_workload(workload, reference, models)
+    assert len({w.options.get("speculative", {}).get("method") for w in workloads}) >= 2

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import GenerationConfig, NemotronHConfig, NemotronHForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig, NemotronHConfig, NemotronHForCausalLM
 
 # Everything is local; never let a test reach for the Hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -274,10 +274,11 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 @functools.lru_cache(maxsize=4)
 def load_hf_model(model_dir: str, dtype: torch.dtype) -> NemotronHForCausalLM:
-    """Load (and cache) a checkpoint with HF, in ``dtype``; handles the lm_head-less tied checkpoints."""
+    """Load (and cache) a checkpoint with HF's class of its family, in ``dtype``; handles Nemotron-H's
+    lm_head-less tied checkpoints."""
     # Plain PyTorch ("eager") attention and experts: the default grouped_mm experts kernel rejects
     # float64, and the eager code is the modeling file's own, whose fp32 casts hf_float64_exact handles.
-    model = NemotronHForCausalLM.from_pretrained(
+    model = AutoModelForCausalLM.from_pretrained(
         model_dir,
         dtype=dtype,
         local_files_only=True,
@@ -287,7 +288,7 @@ def load_hf_model(model_dir: str, dtype: torch.dtype) -> NemotronHForCausalLM:
     # generate() refills an eos_token_id=None from the model's generation config, so disable EOS there:
     # our engine's ignore_eos may still *sample* EOS, whereas min_new_tokens would mask its logit.
     model.generation_config.eos_token_id = None
-    if model.config.tie_word_embeddings:
+    if model.config.tie_word_embeddings and model.config.model_type == "nemotron_h":
         keys = load_file(Path(model_dir) / "model.safetensors").keys()
         if "lm_head.weight" not in keys:
             # HF would leave lm_head randomly initialised here (it does not tie NemotronH).

@@ -1,0 +1,136 @@
+"""IBM Granite 4.0-H (`granitemoehybrid`) for causal LM, with the checkpoints' parameter names.
+
+Each decoder layer is a Mamba2 or an attention mixer, then the SwiGLU shared MLP plus, with
+`num_local_experts` > 0, the softmax-routed MoE; both halves scale their output by
+`residual_multiplier` before the residual add. The embeddings are scaled by `embedding_multiplier`,
+the logits divided by `logits_scaling`, the attention scale is `attention_multiplier`, and attention
+has RoPE or none (`position_embedding_type`). The Mamba2 mixer and the attention are Nemotron-H's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from replayserve.config import MAMBA, ModelConfig
+from replayserve.layers.attention import Attention
+from replayserve.layers.granite_ffn import SharedMLP, SoftmaxMoE
+from replayserve.layers.linear import Linear
+from replayserve.layers.mamba2 import Mamba2Mixer
+from replayserve.layers.norm import RMSNorm
+from replayserve.layers.step_context import StepContext
+from replayserve.ops.dtypes import compute_dtype
+from replayserve.ssm.backend import SSMBackend
+
+
+class MixerLayer(nn.Module):
+    """A decoder layer's first half: `input_layernorm` and a Mamba2 (`mamba`) or attention
+    (`self_attn`) mixer; `index` counts the layers of the same mixer kind (Mamba state, KV cache).
+    Subclasses add the feed-forward half (`ffn`)."""
+
+    def __init__(self, cfg: ModelConfig, block_type: str, index: int) -> None:
+        super().__init__()
+        self.block_type = block_type
+        self.index = index
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        if block_type == MAMBA:
+            self.mamba = Mamba2Mixer(cfg, index)
+        else:
+            self.self_attn = Attention(cfg)
+
+    def mix(self, normed: torch.Tensor, ctx: StepContext, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+            ssm: SSMBackend | None) -> torch.Tensor:
+        if self.block_type == MAMBA:
+            return self.mamba(normed, ctx, ssm)
+        return self.self_attn(normed, ctx, kv_caches[self.index])
+
+    def ffn(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The feed-forward half's output (before the residual add) from the residual stream."""
+        raise NotImplementedError
+
+
+class GraniteDecoderLayer(MixerLayer):
+    def __init__(self, cfg: ModelConfig, block_type: str, index: int) -> None:
+        super().__init__(cfg, block_type, index)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        self.shared_mlp = SharedMLP(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size)
+        self.block_sparse_moe = SoftmaxMoE(cfg) if cfg.n_routed_experts else None
+
+    def ffn(self, hidden: torch.Tensor) -> torch.Tensor:
+        normed = self.post_attention_layernorm(hidden)
+        out = self.shared_mlp(normed)
+        return out if self.block_sparse_moe is None else self.block_sparse_moe(normed) + out
+
+
+class HybridModel(nn.Module):
+    """The backbone (`model.*` in a checkpoint: the loader reads it as `backbone.*`): the embedding,
+    the layers, and the final norm under the family's name."""
+
+    def __init__(self, cfg: ModelConfig, layer_class: type, final_norm_name: str) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(self.build_layers(cfg, layer_class))
+        self.final_norm_name = final_norm_name
+        setattr(self, final_norm_name, RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon))
+
+    @staticmethod
+    def build_layers(cfg: ModelConfig, layer_class: type) -> list[nn.Module]:
+        """One layer per entry of layer_types, each told its index among the layers of its kind."""
+        counts: dict[str, int] = {}
+        layers = []
+        for block_type in cfg.layer_types:
+            layers.append(layer_class(cfg, block_type, counts.get(block_type, 0)))
+            counts[block_type] = counts.get(block_type, 0) + 1
+        return layers
+
+    @property
+    def embeddings(self) -> nn.Embedding:
+        """The runner's and the speculators' name for the token embedding."""
+        return self.embed_tokens
+
+
+class GraniteMoeHybridForCausalLM(nn.Module):
+    # How a checkpoint spells `backbone.` (models/writer.py writes it so).
+    checkpoint_prefix = "model."
+    layer_class: type[nn.Module] = GraniteDecoderLayer
+    backbone_class: type[HybridModel] = HybridModel
+    final_norm_name = "norm"
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.backbone = self.backbone_class(cfg, self.layer_class, self.final_norm_name)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.backbone.embed_tokens.weight
+
+    def cast_(self, dtype: torch.dtype) -> GraniteMoeHybridForCausalLM:
+        return self.to(dtype)
+
+    def allocate_(self, device: torch.device | str, dtype: torch.dtype) -> GraniteMoeHybridForCausalLM:
+        """Gives a model built on the meta device uninitialised weights in `dtype` on `device`."""
+        self.to(dtype)
+        return self.to_empty(device=device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        ctx: StepContext,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        ssm: SSMBackend | None,
+    ) -> torch.Tensor:
+        """input_ids (T,) -> final hidden states (T, hidden_size); one (K, V) pair per attention
+        layer in kv_caches, every Mamba layer's state in `ssm`."""
+        cfg = self.config
+        hidden = self.backbone.embed_tokens(input_ids) * cfg.embedding_multiplier
+        for layer in self.backbone.layers:
+            hidden = hidden + layer.mix(layer.input_layernorm(hidden), ctx, kv_caches, ssm) * cfg.residual_multiplier
+            hidden = hidden + layer.ffn(hidden) * cfg.residual_multiplier
+        return getattr(self.backbone, self.final_norm_name)(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(S, hidden_size) -> (S, vocab) in the compute dtype, divided by logits_scaling."""
+        return self.lm_head(hidden).to(compute_dtype(hidden.dtype)) / self.config.logits_scaling
+
+
+__all__ = ["GraniteMoeHybridForCausalLM"]
