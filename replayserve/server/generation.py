@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from replayserve.chat import ChatTemplate, Message
 from replayserve.sampling_params import SamplingParams
 from replayserve.server.async_engine import AsyncEngine, Delta, EngineError, Overloaded, RequestGroup
+from replayserve.server.constraints import constrain
 from replayserve.server.errors import ApiError, invalid_value
 from replayserve.server.protocol import (
     ChatChoice,
@@ -96,6 +97,7 @@ class Generation:
             params = body.sampling_params(body.max_tokens, body.logprobs)
         except ValueError as e:
             raise invalid_value(e, "prompt") from e
+        params = await constrain(body, params)
         self._check_context(max(len(p) for p in prompts), body.max_tokens, "max_tokens", "prompt")
         k = body.logprobs or 0
 
@@ -139,6 +141,7 @@ class Generation:
                                           k if body.logprobs else None)
         except ValueError as e:
             raise invalid_value(e, "messages", {"logprobs": "top_logprobs"}) from e
+        params = await constrain(body, params)
 
         def chunk(rid: str, created: int, d: Delta, offset: int) -> BaseModel:
             lp = None if d.logprobs is None else self._chat_logprobs(d.token_ids, d.logprobs, k)
@@ -212,13 +215,10 @@ class Generation:
         yield "data: [DONE]\n\n"
 
     def _check_request(self, body: CompletionRequest | ChatCompletionRequest) -> None:
-        """The model named and the response format: what both routes check before anything else."""
+        """The model named: what both routes check before anything else."""
         if body.model is not None and body.model != self.model_name:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
                            "model", code="model_not_found")
-        if body.response_format is not None and body.response_format.type != "text":
-            raise ApiError(400, f"response_format type {body.response_format.type!r} is not supported; the "
-                           "only type served is 'text' (the default)", "response_format")
 
     def _check_context(self, num_prompt_tokens: int, max_tokens: int, field: str, prompt_field: str) -> None:
         """A 400, as vLLM answers, when the prompt and max_tokens together exceed max_model_len; a

@@ -26,8 +26,9 @@ class StreamOptions(_Request):
 
 
 class ResponseFormat(BaseModel):
-    """`{"type": "text"}`, the default, is the only format served; the others' extra fields
-    (json_schema) are let through here so that the refusal names the type, not a sub-field."""
+    """`{"type": "text"}` (the default), `{"type": "json_object"}` or `{"type": "json_schema",
+    "json_schema": {"name", "schema", "strict", "description"}}`; the fields past `type` are read by
+    `server/constraints.py`, which names what is wrong in them."""
 
     model_config = ConfigDict(strict=True, extra="allow")
     type: str
@@ -53,6 +54,12 @@ class _GenerationRequest(_Request):
     repetition_penalty: float = 1.0
     user: str | None = None  # accepted for compatibility; not used
     response_format: ResponseFormat | None = None
+    # vLLM's extra fields for a constraint (`server/constraints.py`): one of them, or response_format.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming `SamplingParams.<field>` for a value out of range."""

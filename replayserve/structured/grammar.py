@@ -30,7 +30,12 @@ _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
 class StructuredOutputError(ValueError):
-    """A constraint the grammar engine cannot honour: what is wrong, in the user's terms."""
+    """A constraint the grammar engine cannot honour: what is wrong, in the user's terms. reason:
+    the message without the field (a server names its own request field)."""
+
+    def __init__(self, reason: str, kind: str | None = None) -> None:
+        super().__init__(reason if kind is None else f"StructuredOutputsParams.{kind}: {reason}")
+        self.reason = reason
 
 
 def check_structured_outputs(params: StructuredOutputsParams) -> None:
@@ -50,13 +55,12 @@ def _grammar(kind: str, spec: str, disable_any_whitespace: bool) -> xgrammar.Gra
         import xgrammar as xgr
     except ImportError as e:
         raise StructuredOutputError(f"structured outputs need xgrammar, which is not installed: {INSTALL_HINT}") from e
-    field = f"StructuredOutputsParams.{kind}"
     if kind == "json":
         found = unsupported_keyword(json.loads(spec))
         if found is not None:
             keyword, where, why = found
-            raise StructuredOutputError(f"{field}: the JSON schema's keyword {keyword!r} at {where} is not supported: "
-                                        f"{why} by the grammar engine; remove it or loosen the schema")
+            raise StructuredOutputError(f"the JSON schema's keyword {keyword!r} at {where} is not supported: {why} "
+                                        "by the grammar engine; remove it or loosen the schema", kind)
     try:
         if kind in ("json", "json_object"):
             return xgr.Grammar.from_json_schema(spec if kind == "json" else '{"type": "object"}',
@@ -70,7 +74,7 @@ def _grammar(kind: str, spec: str, disable_any_whitespace: bool) -> xgrammar.Gra
     except RuntimeError as e:
         what = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regular expression",
                 "choice": "choices", "grammar": "EBNF grammar"}[kind]
-        raise StructuredOutputError(f"{field}: the grammar engine cannot use this {what}: {_cpp_message(e)}") from e
+        raise StructuredOutputError(f"the grammar engine cannot use this {what}: {_cpp_message(e)}", kind) from e
 
 
 def choice_ebnf(choices: list[str]) -> str:
