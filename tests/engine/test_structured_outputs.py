@@ -6,12 +6,10 @@ queued; a reasoning block is left free."""
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 from pathlib import Path
 
-import jsonschema
 import pytest
 
 from replayserve import LLM, SamplingParams
@@ -19,27 +17,11 @@ from replayserve.engine.request import Status
 from replayserve.structured import StructuredOutputsParams
 from replayserve.structured.compiler import GrammarCompiler
 from tests.conftest import assert_pools_full
+from tests.structured.examples import CHOICES, EMAIL, SCHEMA, valid_json
 
 pytest.importorskip("xgrammar")
 
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 20},
-    "age": {"type": "integer", "minimum": 0, "maximum": 150},
-    "tags": {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]}, "maxItems": 3},
-    "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
-                                                 "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                "required": ["city", "zip"]},
-}, "required": ["name", "age", "tags", "address"]}
-EMAIL = r"[a-z]{1,8}@[a-z]{1,8}\.(com|org)"
-CHOICES = ["yes", "no", "maybe so"]
 
-
-def _valid_json(text: str) -> bool:
-    try:
-        jsonschema.validate(json.loads(text), SCHEMA)
-    except (ValueError, jsonschema.ValidationError):
-        return False
-    return True
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +33,12 @@ def test_a_nested_schema_holds_in_every_sample_where_the_model_alone_writes_no_j
     params = SamplingParams(n=50, temperature=1.0, seed=0, max_tokens=300,
                             structured_outputs=StructuredOutputsParams(json=SCHEMA))
     completions = code_llm.generate("def area(r):", params, use_tqdm=False)[0].outputs
-    assert all(_valid_json(c.text) for c in completions), [c.text for c in completions if not _valid_json(c.text)]
+    assert all(valid_json(c.text) for c in completions), [c.text for c in completions if not valid_json(c.text)]
     assert all(c.finish_reason == "stop" for c in completions)
     assert len({c.text for c in completions}) > 40, "samples differ: the grammar masks, it does not dictate"
     alone = code_llm.generate("def area(r):", SamplingParams(n=50, temperature=1.0, seed=0, max_tokens=120),
                               use_tqdm=False)[0].outputs
-    assert sum(_valid_json(c.text) for c in alone) == 0
+    assert sum(valid_json(c.text) for c in alone) == 0
     assert_pools_full(code_llm)
 
 

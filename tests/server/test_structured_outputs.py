@@ -11,26 +11,16 @@ import re
 from collections.abc import Iterator
 
 import httpx
-import jsonschema
 import pytest
 from openai import OpenAI
 from pydantic import BaseModel
 
 from tests.server.conftest import MODEL_NAME, RunningServer, start_server, stop_server
+from tests.structured.examples import CHOICES, EMAIL, SCHEMA, valid_json
 
 pytest.importorskip("xgrammar")
 
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 20},
-    "age": {"type": "integer", "minimum": 0, "maximum": 150},
-    "tags": {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]}, "maxItems": 3},
-    "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
-                                                 "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                "required": ["city", "zip"]},
-}, "required": ["name", "age", "tags", "address"]}
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
-EMAIL = r"[a-z]{1,8}@[a-z]{1,8}\.(com|org)"
-CHOICES = ["yes", "no", "maybe so"]
 MESSAGES = [{"role": "user", "content": "def describe(person):"}]
 SAMPLES = 50
 CONFIGS = {
@@ -40,13 +30,6 @@ CONFIGS = {
     "replay": {"ssm_backend": "replay", "speculative": None},
 }
 
-
-def _valid(text: str) -> bool:
-    try:
-        jsonschema.validate(json.loads(text), SCHEMA)
-    except (ValueError, jsonschema.ValidationError):
-        return False
-    return True
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -76,7 +59,7 @@ def test_a_nested_schema_holds_in_every_chat_sample(client: OpenAI, code_server:
     response = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, n=SAMPLES, temperature=1.0,
                                               seed=0, max_tokens=300, response_format=RESPONSE_FORMAT)
     texts = [c.message.content for c in response.choices]
-    assert all(_valid(t) for t in texts), [t for t in texts if not _valid(t)]
+    assert all(valid_json(t) for t in texts), [t for t in texts if not valid_json(t)]
     assert {c.finish_reason for c in response.choices} == {"stop"} and len(set(texts)) > 40
     code_server.assert_pools_full()
 
@@ -85,7 +68,7 @@ def test_a_nested_schema_holds_in_every_streamed_completion(client: OpenAI, code
     stream = client.completions.create(model=MODEL_NAME, prompt="def area(r):", n=SAMPLES, temperature=1.0, seed=1,
                                        max_tokens=300, stream=True, extra_body={"guided_json": SCHEMA})
     texts, reasons = _streamed_texts(stream, SAMPLES)
-    assert all(_valid(t) for t in texts), [t for t in texts if not _valid(t)]
+    assert all(valid_json(t) for t in texts), [t for t in texts if not valid_json(t)]
     assert set(reasons) == {"stop"}
     if code_server.llm.config.speculative is not None:
         assert code_server.llm.get_metrics()["spec_num_accepted_tokens"] > 0, "drafts verified under the masks"
@@ -108,7 +91,7 @@ def test_without_a_constraint_the_model_writes_no_json(client: OpenAI, code_serv
         pytest.skip("once is enough")
     response = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, n=SAMPLES, temperature=1.0,
                                               seed=0, max_tokens=60)
-    assert sum(_valid(c.message.content) for c in response.choices) == 0
+    assert sum(valid_json(c.message.content) for c in response.choices) == 0
 
 
 class Address(BaseModel):
