@@ -30,13 +30,13 @@ async def constrain(body: Any, params: SamplingParams, reasoning_markers: tuple[
                     forced: tuple[StructuredOutputsParams, str] | None = None) -> SamplingParams:
     """``params`` with the constraint ``body`` asks for (unchanged when none), checked against the
     grammar engine. reasoning_markers: the grammar waits out a reasoning block
-    (`--reasoning-parser`); forced: a constraint of the server's own (a tool call that
-    `tool_choice` requires) and the field it comes from."""
+    (`--reasoning-parser`); forced: the grammar of a tool call that `tool_choice` forces ('required'
+    or a named function), and the field its errors name."""
     asked = requested(body)
     if forced is not None:
         if asked is not None:
-            raise ApiError(400, f"{asked[1]} cannot be used with {forced[1]}, which constrains the output itself",
-                           asked[1])
+            raise ApiError(400, f"{asked[1]} cannot be used with a tool_choice that forces a call ('required' or a "
+                           "named function): the call's grammar constrains the output", asked[1])
         asked = forced
     if asked is None:
         return params

@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from replayserve.chat import ChatTemplate, Message
 from replayserve.sampling_params import SamplingParams
 from replayserve.server.async_engine import AsyncEngine, Delta, EngineError, Overloaded, RequestGroup
+from replayserve.server.chat_output import ChatChoices
 from replayserve.server.constraints import constrain
 from replayserve.server.errors import ApiError, invalid_value
 from replayserve.server.protocol import (
@@ -30,7 +31,6 @@ from replayserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatMessage,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -41,6 +41,8 @@ from replayserve.server.protocol import (
     Usage,
     error_body,
 )
+from replayserve.server.tool_parsers import ToolCallParser
+from replayserve.server.tools import tool_use
 from replayserve.tokenizer import Tokenizer, check_unicode
 
 # Seconds a client told 429 is asked to wait: about what a batch of short requests takes.
@@ -74,7 +76,7 @@ class _Format:
     id_prefix: str
     prompt_field: str  # what an error about the prompt names
     chunk_type: type[BaseModel]
-    chunk: Callable[[str, int, Delta, int], BaseModel]
+    chunk: Callable[[str, int, Delta, int], BaseModel | None]
     whole: Callable[[str, int, list[_Choice], Usage], BaseModel]
     first: Callable[[str, int, int], BaseModel] | None = None
 
@@ -83,11 +85,12 @@ class Generation:
     """The routes' shared part: the async engine, the served model's name, its tokenizer and chat template."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, tokenizer: Tokenizer | None,
-                 chat_template: ChatTemplate) -> None:
+                 chat_template: ChatTemplate, tool_call_parser: ToolCallParser | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.tool_call_parser = tool_call_parser
 
     # -- routes ------------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, raw: HttpRequest) -> Response:
@@ -120,12 +123,14 @@ class Generation:
         self._check_request(body)
         if self.tokenizer is None:
             raise ApiError(400, "chat needs a tokenizer; the model directory has no tokenizer.json", "messages")
+        use = tool_use(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_call_parser)
         try:
             # off the event loop, as text prompts are: a long one must not stall other streams
             prompt = await asyncio.to_thread(self.chat_template.prompt_ids, _flatten_content(body.messages),
-                                             self.tokenizer)
+                                             self.tokenizer, True, use.tools, body.chat_template_kwargs)
         except ValueError as e:
-            raise ApiError(400, str(e), "messages") from e
+            field = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
+            raise ApiError(400, str(e), field) from e
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise ApiError(400, "give max_tokens or max_completion_tokens, not both", "max_tokens")
         room = self.engine.config.resolved_max_model_len - len(prompt)
@@ -141,18 +146,22 @@ class Generation:
                                           k if body.logprobs else None)
         except ValueError as e:
             raise invalid_value(e, "messages", {"logprobs": "top_logprobs"}) from e
-        params = await constrain(body, params)
+        params = await constrain(body, params, forced=None if use.constraint is None else (use.constraint, "tools"))
+        outputs = ChatChoices(use, self.tool_call_parser)
 
-        def chunk(rid: str, created: int, d: Delta, offset: int) -> BaseModel:
+        def chunk(rid: str, created: int, d: Delta, offset: int) -> BaseModel | None:
+            delta = outputs.delta(d.index, d.text, d.finish_reason is not None)
+            if delta is None and d.logprobs is None and d.finish_reason is None:
+                return None
             lp = None if d.logprobs is None else self._chat_logprobs(d.token_ids, d.logprobs, k)
             return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[ChatChunkChoice(
-                index=d.index, delta=DeltaMessage(content=d.text), logprobs=lp, finish_reason=d.finish_reason,
-                stop_reason=d.stop_reason)])
+                index=d.index, delta=delta or DeltaMessage(content=""), logprobs=lp,
+                finish_reason=outputs.finish_reason(d.index, d.finish_reason), stop_reason=d.stop_reason)])
 
         def whole(rid: str, created: int, choices: list[_Choice], usage: Usage) -> BaseModel:
             return ChatCompletionResponse(id=rid, created=created, model=self.model_name, usage=usage, choices=[
-                ChatChoice(index=i, message=ChatMessage(content=c.text), finish_reason=c.finish_reason,
-                           stop_reason=c.stop_reason,
+                ChatChoice(index=i, message=outputs.message(i, c.text),
+                           finish_reason=outputs.finish_reason(i, c.finish_reason), stop_reason=c.stop_reason,
                            logprobs=None if not body.logprobs else self._chat_logprobs(
                                [t for t, _ in c.logprobs], [lp for _, lp in c.logprobs], k))
                 for i, c in enumerate(choices)])
@@ -204,7 +213,9 @@ class Generation:
                 offset = len(choices[delta.index].text)
                 choices[delta.index].add(delta)
                 if delta.text or delta.logprobs or delta.finish_reason:
-                    yield _event(fmt.chunk(rid, created, delta, offset))
+                    event = fmt.chunk(rid, created, delta, offset)
+                    if event is not None:  # chat holds back text that may open a tool call
+                        yield _event(event)
             if include_usage:
                 usage = _usage(num_prompt_tokens, choices)
                 yield _event(fmt.chunk_type(id=rid, created=created, model=self.model_name, choices=[], usage=usage))

@@ -94,6 +94,11 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, le=MAX_TOP_LOGPROBS)
+    # Tool calling (`server/tools.py` checks them) and the template's extra variables.
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class Usage(BaseModel):
@@ -145,9 +150,40 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
+class DeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of the tool call at `index` of the message: the first names it (id, name)."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunction
+
+    def model_post_init(self, context: Any) -> None:
+        if self.id is not None and self.type is None:
+            self.type = "function"
+
+
 class ChatMessage(BaseModel):
     role: str = "assistant"
-    content: str
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -170,6 +206,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
