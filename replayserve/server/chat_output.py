@@ -1,6 +1,7 @@
-"""One chat choice's text as the chat API sends it: content and tool calls, whole or as stream
-deltas (`ChoiceOutput`). The text is fed as it is detokenized; each `add` returns what may be sent
-now, `finish` the rest. A whole response is the same pieces joined.
+"""One chat choice's text as the chat API sends it: reasoning, content and tool calls, whole or as
+stream deltas (`ChoiceOutput` for content and calls, `ChatChoices` for a response's choices). The
+text is fed as it is detokenized; each `add` returns what may be sent now, `finish` the rest. A
+whole response is the same pieces joined.
 
 Tool calls by `ToolUse.mode` (`server/tools.py`):
 - auto: content streams until the parser's opening tag; a prefix of the tag that may be forming is
@@ -19,6 +20,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from replayserve.server.protocol import ChatMessage, DeltaFunction, DeltaMessage, DeltaToolCall, FunctionCall, ToolCall
+from replayserve.server.reasoning import ReasoningSplitter
+from replayserve.server.tags import forming
 from replayserve.server.tool_parsers import ParsedCall, ToolCallParser, parse_call
 from replayserve.server.tools import ToolUse
 
@@ -69,7 +72,7 @@ class ChoiceOutput:
         if self.calls_at is None:
             at = self.text.find(self.parser.start, self.sent)
             if at < 0:
-                return self._content_until(len(self.text) - _forming(self.text, self.parser.start))
+                return self._content_until(len(self.text) - forming(self.text, self.parser.start))
             piece = self._content_until(at)
             self.calls_at = at
         else:
@@ -167,49 +170,53 @@ class ChoiceOutput:
             calls.append(parse_call(item))
 
 
-def _forming(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that begins ``tag`` (it may be forming)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
-
-
 def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
 class ChatChoices:
-    """The outputs of one chat response's choices, by choice index, made as their text arrives."""
+    """The outputs of one chat response's choices, by choice index, made as their text arrives:
+    with `--reasoning-parser`, each choice's text is split into reasoning and content first
+    (`server/reasoning.py`), and the content goes on to the tool calls."""
 
-    def __init__(self, use: ToolUse, parser: ToolCallParser | None) -> None:
+    def __init__(self, use: ToolUse, parser: ToolCallParser | None, reasoning_markers: tuple[str, str] | None = None,
+                 prompt_text: str = "") -> None:
         self.use, self.parser = use, parser
-        self._outputs: dict[int, ChoiceOutput] = {}
+        self.reasoning_markers, self.prompt_text = reasoning_markers, prompt_text
+        self._outputs: dict[int, tuple[ChoiceOutput, ReasoningSplitter | None]] = {}
 
     def delta(self, index: int, text: str, finished: bool) -> DeltaMessage | None:
         """What choice ``index`` sends for ``text`` (None: nothing yet)."""
-        output = self._output(index)
-        piece = output.add(text)
-        if finished:
-            piece += output.finish()
-        if not piece:
+        reasoning, piece = self._add(index, text, finished)
+        if not piece and not reasoning:
             return None
-        return DeltaMessage(content=piece.content if piece.content or not piece.tool_calls else None,
-                            tool_calls=piece.tool_calls or None)
+        return DeltaMessage(reasoning_content=reasoning or None, tool_calls=piece.tool_calls or None,
+                            content=piece.content if piece.content or not (piece.tool_calls or reasoning) else None)
 
     def message(self, index: int, text: str) -> ChatMessage:
         """A whole choice's message, from its whole text."""
-        output = self._output(index)
-        output.add(text)
-        output.finish()
-        content, calls = output.message()
+        reasoning, _ = self._add(index, text, True)
+        content, calls = self._outputs[index][0].message()
+        if self.reasoning_markers is not None:
+            return ChatMessage(content=content or None, reasoning_content=reasoning or None, tool_calls=calls)
         return ChatMessage(content=content, tool_calls=calls)
 
     def finish_reason(self, index: int, reason: str | None) -> str | None:
         """"tool_calls" for a choice that called tools and stopped, as OpenAI says it."""
-        return "tool_calls" if reason == "stop" and self._output(index).called else reason
+        called = index in self._outputs and self._outputs[index][0].called
+        return "tool_calls" if reason == "stop" and called else reason
 
-    def _output(self, index: int) -> ChoiceOutput:
+    def _add(self, index: int, text: str, finished: bool) -> tuple[str, ChatPiece]:
         if index not in self._outputs:
-            self._outputs[index] = ChoiceOutput(self.use, self.parser)
-        return self._outputs[index]
+            splitter = None if self.reasoning_markers is None else ReasoningSplitter(self.reasoning_markers,
+                                                                                      self.prompt_text)
+            self._outputs[index] = ChoiceOutput(self.use, self.parser), splitter
+        output, splitter = self._outputs[index]
+        reasoning, content = ("", text) if splitter is None else splitter.add(text)
+        if finished and splitter is not None:
+            more_reasoning, more_content = splitter.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        piece = output.add(content)
+        if finished:
+            piece += output.finish()
+        return reasoning, piece

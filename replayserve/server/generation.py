@@ -8,6 +8,7 @@ collected) has its completions aborted at the next step boundary.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -18,7 +19,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from replayserve.chat import ChatTemplate, Message
+from replayserve.chat import ChatTemplate, Message, encode_rendered
 from replayserve.sampling_params import SamplingParams
 from replayserve.server.async_engine import AsyncEngine, Delta, EngineError, Overloaded, RequestGroup
 from replayserve.server.chat_output import ChatChoices
@@ -85,12 +86,17 @@ class Generation:
     """The routes' shared part: the async engine, the served model's name, its tokenizer and chat template."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, tokenizer: Tokenizer | None,
-                 chat_template: ChatTemplate, tool_call_parser: ToolCallParser | None = None) -> None:
+                 chat_template: ChatTemplate, tool_call_parser: ToolCallParser | None = None,
+                 reasoning_markers: tuple[str, str] | None = None) -> None:
+        """tool_call_parser: the model's tool-call format (`--tool-call-parser`); reasoning_markers:
+        its reasoning block's tags (`--reasoning-parser`): chat splits them out as
+        reasoning_content, and a grammar waits until the block has closed."""
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.tool_call_parser = tool_call_parser
+        self.reasoning_markers = reasoning_markers
 
     # -- routes ------------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, raw: HttpRequest) -> Response:
@@ -124,10 +130,12 @@ class Generation:
         if self.tokenizer is None:
             raise ApiError(400, "chat needs a tokenizer; the model directory has no tokenizer.json", "messages")
         use = tool_use(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_call_parser)
+        tokenizer = self.tokenizer
+        render = functools.partial(self.chat_template.render, _flatten_content(body.messages), True, use.tools,
+                                   body.chat_template_kwargs)
         try:
             # off the event loop, as text prompts are: a long one must not stall other streams
-            prompt = await asyncio.to_thread(self.chat_template.prompt_ids, _flatten_content(body.messages),
-                                             self.tokenizer, True, use.tools, body.chat_template_kwargs)
+            text, prompt = await asyncio.to_thread(lambda: (t := render(), encode_rendered(t, tokenizer)))
         except ValueError as e:
             field = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
             raise ApiError(400, str(e), field) from e
@@ -146,8 +154,9 @@ class Generation:
                                           k if body.logprobs else None)
         except ValueError as e:
             raise invalid_value(e, "messages", {"logprobs": "top_logprobs"}) from e
-        params = await constrain(body, params, forced=None if use.constraint is None else (use.constraint, "tools"))
-        outputs = ChatChoices(use, self.tool_call_parser)
+        params = await constrain(body, params, self.reasoning_markers,
+                                 forced=None if use.constraint is None else (use.constraint, "tools"))
+        outputs = ChatChoices(use, self.tool_call_parser, self.reasoning_markers, text)
 
         def chunk(rid: str, created: int, d: Delta, offset: int) -> BaseModel | None:
             delta = outputs.delta(d.index, d.text, d.finish_reason is not None)

@@ -34,7 +34,7 @@ class RequestGrammar:
         self.matcher: xgrammar.GrammarMatcher | None = None  # set by `start_matching` once compiled
         self.end_marker = None if markers is None else markers[1]
         # The output index the grammar starts at; None while the reasoning block is open.
-        self.start: int | None = 0 if markers is None or _closed(prompt_text, *markers) else None
+        self.start: int | None = 0 if markers is None or reasoning_state(prompt_text, *markers) == "closed" else None
         self.consumed = self.start or 0  # the matcher has consumed output[start:consumed]
 
     def start_matching(self) -> None:
@@ -109,7 +109,11 @@ class RequestGrammar:
         return self.end_marker in decode(tail) and self.end_marker not in decode(tail[:-1])
 
 
-def _closed(prompt_text: str, start: str, end: str) -> bool:
-    """The prompt closed the reasoning block: its end marker follows the last start marker (or,
-    with no start marker, appears at all)."""
-    return end in prompt_text[max(prompt_text.rfind(start), 0):]
+def reasoning_state(prompt_text: str, start: str, end: str) -> str:
+    """Where a prompt leaves a reasoning block: "closed" (its end marker follows the last start
+    marker, or appears at all with no start marker: a template that closed it), "open" (a start
+    marker with no end after it: the template opened it, the output begins inside it) or "none"."""
+    last = prompt_text.rfind(start)
+    if end in prompt_text[max(last, 0) :]:
+        return "closed"
+    return "open" if last >= 0 else "none"

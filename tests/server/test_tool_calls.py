@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pytest
 from openai import OpenAI
 
 from replayserve.chat import ChatTemplate
-from tests.server.conftest import MODEL_NAME, RunningServer, start_server, stop_server
+from tests.server.conftest import MODEL_NAME, RunningServer, start_server, stop_server, with_chat_template
 
 pytest.importorskip("xgrammar")
 
@@ -68,10 +67,7 @@ CALL_REGEX = {
 
 @pytest.fixture(scope="module")
 def tool_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tools") / "model"
-    shutil.copytree(tiny_model_dir, out)
-    (out / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
-    return out
+    return with_chat_template(tiny_model_dir, tmp_path_factory.mktemp("tools") / "model", TEMPLATE)
 
 
 @pytest.fixture(scope="module", params=["hermes", "nemotron_json"])
