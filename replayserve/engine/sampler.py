@@ -201,8 +201,9 @@ def launch_sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     """Samples every row of a step on the device and queues the one device-to-host transfer,
     without waiting for it (arguments as `sample`). Seeded generators advance now."""
     if grammar is not None:
+        every = grammar.positions == tuple(range(logits.shape[0]))
         apply_token_bitmask(logits, to_device(grammar.bitmask, logits.device),
-                            to_device(torch.tensor(grammar.positions), logits.device))
+                            None if every else to_device(torch.tensor(grammar.positions), logits.device))
     if histories is None and (drafts is None or not any(drafts)) and all(
             p.greedy and p.logprobs is None for p in params):
         # The common decode step: argmax per row and one transfer, without building the batch's

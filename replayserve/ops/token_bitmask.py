@@ -24,13 +24,14 @@ class TokenMask(NamedTuple):
     positions: tuple[int, ...]
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
     """Sets logits[rows[i], t] to -inf where bit t of bitmask[i] is 0, in place.
 
     Args:
         logits: (N, V) float, any device.
         bitmask: (C, ceil(V / 32)) int32 on the logits' device.
-        rows: (C,) int64 distinct row indices into logits, on the logits' device.
+        rows: (C,) int64 distinct row indices into logits, on the logits' device; None: C = N, row i
+            masks row i (the caller knows it on the host; comparing on the device would sync).
     """
     if logits.dtype not in _KERNEL_DTYPES:
         apply_token_bitmask_ref(logits, bitmask, rows)
@@ -40,21 +41,21 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     except ImportError:
         apply_token_bitmask_ref(logits, bitmask, rows)
         return
-    vocab = logits.shape[-1]
-    if rows.numel() == logits.shape[0] and bool((rows == torch.arange(rows.numel(), device=rows.device)).all()):
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab)
-        return
-    # xgrammar's `indices` index the bitmask and the logits alike; ours are compact, so the rows
-    # are gathered, masked and put back.
-    picked = logits.index_select(0, rows)
-    xgr.apply_token_bitmask_inplace(picked, bitmask, vocab_size=vocab)
-    logits.index_copy_(0, rows, picked)
+    if rows is not None:
+        # xgrammar's `indices` index the bitmask and the logits alike; ours are compact, so the
+        # other rows get an all-allowed bitmask row (4 bytes per 32 tokens, not a copy of logits).
+        full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32, device=bitmask.device)
+        bitmask = full.index_copy_(0, rows, bitmask)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])
 
 
-def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
     """The plain-PyTorch oracle of `apply_token_bitmask` (same arguments), any float dtype."""
     allowed = unpack_bitmask(bitmask, logits.shape[-1])
-    logits[rows] = logits[rows].masked_fill(~allowed, -torch.inf)
+    if rows is None:
+        logits.masked_fill_(~allowed, -torch.inf)
+    else:
+        logits[rows] = logits[rows].masked_fill(~allowed, -torch.inf)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

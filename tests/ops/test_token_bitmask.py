@@ -38,6 +38,10 @@ def test_the_kernel_masks_the_rows_as_the_reference(dtype: torch.dtype, rows: li
     apply_token_bitmask_ref(expected, bitmask, index)
     got = logits.clone()
     apply_token_bitmask(got, bitmask, index)
+    if rows == [0, 1, 2, 3, 4]:  # every row: the caller may say so with None
+        every = logits.clone()
+        apply_token_bitmask(every, bitmask)
+        assert torch.equal(every, expected)
     assert torch.equal(got, expected)
     for i, row in enumerate(rows):
         assert torch.equal(got[row][allowed[i]], logits[row][allowed[i]])
