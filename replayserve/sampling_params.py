@@ -128,6 +128,9 @@ class SamplingParams:
             (isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output", "must be a bool"),
             (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
              "structured_outputs", "must be None or a StructuredOutputsParams"),
+            # Once its grammar is complete the output may only end; banning EOS then leaves no token.
+            (self.structured_outputs is None or self.min_tokens == 0, "min_tokens",
+             "must be 0 with structured_outputs (the grammar decides where the output may end)"),
         ]
         for ok, option, why in checks:
             if not ok:

@@ -63,3 +63,8 @@ def test_choices_and_markers_become_tuples_and_sampling_params_take_them() -> No
     assert SamplingParams(structured_outputs=params).structured_outputs is params
     with pytest.raises(ValueError, match="structured_outputs must be None or a StructuredOutputsParams"):
         SamplingParams(structured_outputs={"json": {"type": "object"}})
+
+
+def test_min_tokens_is_refused_beside_a_grammar() -> None:
+    with pytest.raises(ValueError, match="min_tokens must be 0 with structured_outputs"):
+        SamplingParams(min_tokens=3, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["a"]))
