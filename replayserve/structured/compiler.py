@@ -73,7 +73,3 @@ class GrammarCompiler:
 
     def _compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         return self._compiler.result().compile_grammar(grammar_of(params))
-
-    def vocab_size(self) -> int:
-        """The width of the token masks (the model's vocabulary); waits for the compiler."""
-        return self._compiler.result().tokenizer_info.vocab_size
