@@ -26,6 +26,9 @@ class UserError(Exception):
 
 # The install command of the server extra, as README's Serving section gives it (a test holds them equal).
 SERVER_EXTRA_INSTALL = 'pip install -e ".[server]"'
+# server/tool_parsers.py's names, here so that --help needs no server extra (a test holds them equal).
+TOOL_CALL_PARSER_NAMES = ("hermes", "nemotron_json")
+REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")  # server/reasoning.py's
 
 
 class _Parser(argparse.ArgumentParser):
@@ -178,7 +181,8 @@ def _serve(args: argparse.Namespace) -> None:
         raise
     try:
         app = create_app(core, args.served_model_name or served_name(args.model), args.max_waiting_requests,
-                         api_key=args.api_key or None, max_request_bytes=args.max_request_bytes)
+                         api_key=args.api_key or None, max_request_bytes=args.max_request_bytes,
+                         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
         served = serve(app, args.keep_alive_timeout, args.host, args.port, args.shutdown_timeout)
     finally:
         core.stop()  # the app stops it when it shuts down; this covers a failure before it ran
@@ -281,6 +285,13 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--keep-alive-timeout", type=float, default=30.0,
                    help="seconds an idle connection stays open; keep it above your clients' idle expiry (httpx: 5) "
                         "or a request sent as the server closes the connection fails (default %(default)s)")
+    h.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSER_NAMES,
+                   help="the format of the model's tool calls, for tool_choice 'auto': hermes (<tool_call>{...}"
+                        "</tool_call>: Hermes, Qwen) or nemotron_json (<TOOLCALL>[...]</TOOLCALL>: Nemotron-H, "
+                        "Nemotron Nano 2); unset: 'auto' is refused, 'required' and named calls still work")
+    h.add_argument("--reasoning-parser", choices=REASONING_PARSER_NAMES,
+                   help="split <think>...</think> out of chat replies as reasoning_content (deepseek_r1 and qwen3 "
+                        "read them alike); a grammar (response_format, tool calls) then applies after the block")
     add_engine_options(srv)
 
     tiny = sub.add_parser("make-tiny", help="write a random tiny model of a supported family in Hugging Face format")

@@ -11,6 +11,7 @@ and a sentence per drafting row saying whether it was faster, slower (and why) o
 from __future__ import annotations
 
 import contextlib
+import json
 import statistics
 import time
 from collections.abc import Iterator
@@ -21,6 +22,8 @@ from replayserve.config import ModelConfig
 from replayserve.config.builtin_models import resolve_model
 from replayserve.llm import LLM
 from replayserve.sampling_params import SamplingParams
+from replayserve.structured import StructuredOutputsParams
+from replayserve.structured.grammar import StructuredOutputError
 
 # No prompt ends in a newline: the tokenizer merges a newline with the next line's indentation, so
 # the model writes them together (a bare newline token would announce an unindented line).
@@ -32,6 +35,13 @@ DEMO_PROMPTS = [
     "    def __repr__(self):",
     "def is_prime(n):",
 ]
+# The structured-output example after the continuations: a description of a function as JSON.
+JSON_PROMPT = "def fibonacci(n):"
+JSON_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 24},
+    "arguments": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
+    "returns": {"type": "string", "enum": ["int", "str", "list", "bool", "None"]},
+}, "required": ["name", "arguments", "returns"]}
 # Warm-up: every prompt, a few tokens, so the timed runs meet no first-use cost of the batch's shapes.
 WARMUP_TOKENS = 8
 _COUNTERS = ("spec_num_draft_tokens", "spec_num_accepted_tokens", "num_steps", "num_generated_tokens")
@@ -123,13 +133,15 @@ def run_demo(model: str, max_tokens: int, repeats: int, num_drafts: int, engine:
                     _time_and_say(run, llm, params, i, repeats)
                 if i == 0:
                     _print_continuations(runs[0].texts)
+                    _print_json_answer(engines[0])
     else:
         for run in runs:  # closed before the next: a tensor-parallel LLM's workers hold the process group
             with _engine(model, run, engine, first=run is runs[0]) as llm:
                 for i in range(repeats):
                     _time_and_say(run, llm, params, i, repeats)
-            if run is runs[0]:
-                _print_continuations(runs[0].texts)
+                if run is runs[0]:
+                    _print_continuations(runs[0].texts)
+                    _print_json_answer(llm)
     _print_table(runs, max_tokens, repeats)
 
 
@@ -222,4 +234,17 @@ def _print_continuations(texts: list[str]) -> None:
     for i, (prompt, text) in enumerate(zip(DEMO_PROMPTS, texts, strict=True)):
         say(f"{'-' * 30} prompt {i + 1}/{len(DEMO_PROMPTS)} {'-' * 30}")
         say(prompt + text)
+    say("-" * 72)
+
+
+def _print_json_answer(llm: LLM) -> None:
+    """The model's greedy answer to JSON_PROMPT under JSON_SCHEMA (structured outputs): a code
+    model that never writes JSON by itself writes it under the grammar."""
+    constraint = StructuredOutputsParams(json=JSON_SCHEMA, disable_any_whitespace=True)
+    params = SamplingParams(temperature=0.0, max_tokens=100, structured_outputs=constraint)
+    say(f"structured outputs: {JSON_PROMPT!r} answered under the JSON schema {json.dumps(JSON_SCHEMA)}:")
+    try:
+        say(llm.generate(JSON_PROMPT, params, use_tqdm=False)[0].outputs[0].text)
+    except StructuredOutputError as e:  # xgrammar is an optional extra
+        say(f"(not shown: {e})")
     say("-" * 72)

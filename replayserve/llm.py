@@ -157,17 +157,21 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Replies to one conversation (a list of {"role", "content"} dicts) or to a list of them.
         Each is rendered with `chat_template`, else the model directory's (tokenizer_config.json),
         else `replayserve.chat.DEFAULT_CHAT_TEMPLATE`, then generated like a prompt; an output's
-        `prompt` is the rendered text, as vLLM's is."""
+        `prompt` is the rendered text, as vLLM's is. tools (OpenAI's list) and chat_template_kwargs
+        (e.g. {"enable_thinking": False}) are the template's variables, as in vLLM."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; the model directory has no tokenizer.json")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         template = self.chat_template if chat_template is None else ChatTemplate(chat_template,
                                                                                  self.chat_template.special_tokens)
-        texts = [template.render(c, add_generation_prompt) for c in conversations]  # type: ignore[arg-type]
+        texts = [template.render(c, add_generation_prompt, tools, chat_template_kwargs)  # type: ignore[arg-type]
+                 for c in conversations]
         prompts = [{"prompt_token_ids": encode_rendered(t, self.tokenizer)} for t in texts]
         outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         return [dataclasses.replace(out, prompt=text) for out, text in zip(outputs, texts, strict=True)]

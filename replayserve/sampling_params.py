@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from replayserve.structured.params import StructuredOutputsParams
+
 # Sampling computes in float32 (float64 only for float64 logits), so every float option must be a
 # value float32 holds: a smaller magnitude than its smallest normal number rounds to 0 (or keeps a
 # few bits as a subnormal), a larger one than its largest to inf. Either turns a penalty or a
@@ -62,6 +64,9 @@ class SamplingParams:
     sampled token's own); None returns none. The engine also checks it against the vocabulary.
     prompt_logprobs: likewise for each prompt token after the first, given the tokens before it;
     such a request reads no prefix-cache hit until they are computed (a hit skips the positions).
+    structured_outputs: the grammar the output follows (`StructuredOutputsParams`: a JSON schema,
+    a regex, a choice, an EBNF grammar or any JSON object), as in vLLM; the engine checks that it
+    can honour it when the request is added.
     """
 
     temperature: float = 1.0
@@ -81,6 +86,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # one stop string, as in vLLM and the OpenAI API
@@ -120,6 +126,11 @@ class SamplingParams:
             (_real_in(self.min_p, 0, 1) and _float32_holds(self.min_p), "min_p",
              f"must be 0 (off) or a number in [{_TINY}, 1]{_WHY}"),
             (isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output", "must be a bool"),
+            (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "structured_outputs", "must be None or a StructuredOutputsParams"),
+            # Once its grammar is complete the output may only end; banning EOS then leaves no token.
+            (self.structured_outputs is None or self.min_tokens == 0, "min_tokens",
+             "must be 0 with structured_outputs (the grammar decides where the output may end)"),
         ]
         for ok, option, why in checks:
             if not ok:

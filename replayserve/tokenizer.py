@@ -26,6 +26,11 @@ class Tokenizer:
             raise ValueError(f"{path} is not a valid tokenizer.json: {e}") from e
 
     @property
+    def backend(self) -> HFTokenizer:
+        """The `tokenizers` tokenizer itself (the grammar engine reads its vocabulary)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
@@ -37,8 +42,8 @@ class Tokenizer:
             return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         """One token's text, special tokens included (a logprob's `decoded_token`)."""

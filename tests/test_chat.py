@@ -89,3 +89,25 @@ def test_a_template_that_raises_names_the_problem() -> None:
     template = ChatTemplate(TEMPLATE, {"bos_token": "<s>"})
     with pytest.raises(ValueError, match="unknown role tool"):
         template.render([{"role": "tool", "content": "x"}])
+
+
+def test_tools_and_template_kwargs_reach_the_template(tiny_model_dir: Path) -> None:
+    source = ("{% for tool in tools or [] %}[{{ tool.function.name }}: {{ tool | tojson }}]{% endfor %}"
+              "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+              "{% for c in m.tool_calls or [] %} calls {{ c.function.arguments.city }}{% endfor %};{% endfor %}"
+              "{% if not enable_thinking | default(true) %}<think></think>{% endif %}")
+    llm = LLM(model=str(tiny_model_dir), dtype="float64", device="cpu")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    conversation = [{"role": "user", "content": "<Paris & Rome>"},
+                    {"role": "assistant", "content": None, "tool_calls": [
+                        {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                    {"role": "tool", "content": "21 C"}]
+    out = llm.chat(conversation, GREEDY, use_tqdm=False, chat_template=source, tools=tools,
+                   chat_template_kwargs={"enable_thinking": False})
+    assert out[0].prompt == (
+        '[get_weather: {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]'
+        "user: <Paris & Rome>;assistant:  calls Paris;tool: 21 C;<think></think>")
+    with pytest.raises(ValueError, match="chat_template_kwargs must not set"):
+        ChatTemplate(source).render(conversation, template_kwargs={"tools": []})
+    with pytest.raises(ValueError, match=r"messages\[1\].tool_calls must be an assistant's list"):
+        ChatTemplate(source).render([conversation[0], {"role": "assistant", "content": "x", "tool_calls": [1]}])

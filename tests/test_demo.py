@@ -88,3 +88,27 @@ def test_the_cpu_note_says_how_much_of_its_threads_time_the_demo_got() -> None:
     assert "the demo's 1 thread ran 30% of the time" in cpu_note(contended)
     idle = [SpecRun("none", None, cpu_busy=[1.9, 2.0, 1.95], cpu_threads=2)]
     assert "of the time" not in cpu_note(idle)
+
+
+def test_the_demo_shows_a_json_schema_answer_or_how_to_get_one(capsys: pytest.CaptureFixture,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    import jsonschema
+
+    from replayserve import demo
+    from replayserve.structured import grammar
+
+    pytest.importorskip("xgrammar")
+    llm = LLM(model=TINY_CODE, device="cpu", cpu_threads=1)
+    demo._print_json_answer(llm)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"structured outputs: {demo.JSON_PROMPT!r} answered under the JSON schema")
+    jsonschema.validate(json.loads(lines[1]), demo.JSON_SCHEMA)
+
+    def missing(*args: object) -> None:
+        raise grammar.StructuredOutputError(f"structured outputs need xgrammar: {grammar.INSTALL_HINT}")
+
+    monkeypatch.setattr(grammar, "_grammar", missing)
+    demo._print_json_answer(llm)
+    assert "(not shown: structured outputs need xgrammar: install the grammar engine" in capsys.readouterr().out

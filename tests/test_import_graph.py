@@ -45,7 +45,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "replayserve"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("ops",),
-    ("config", "sampling_params", "tokenizer", "chat", "outputs", "cpu_threads"),
+    ("config", "sampling_params", "tokenizer", "chat", "outputs", "cpu_threads", "structured"),
     ("ssm",),
     ("layers",),
     ("models",),

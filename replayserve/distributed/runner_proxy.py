@@ -12,7 +12,7 @@ states for MTP, whatever the sampling parameters and seeds.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO
 
 import torch
@@ -23,6 +23,7 @@ from replayserve.engine.runner import Runner, StepOutput
 from replayserve.engine.sampler import SampleResult
 from replayserve.engine.scheduler import StepPlan
 from replayserve.models.nemotron_h import NemotronHForCausalLM
+from replayserve.ops.token_bitmask import TokenMask
 from replayserve.sampling_params import SamplingParams
 from replayserve.speculative.mtp import HiddenStore
 from replayserve.speculative.proposers import DraftRequest, Proposer
@@ -43,10 +44,11 @@ class DriverRunner(Runner):
         self.workers.send((name, (payload, forgotten)))
 
     def execute(self, plan: StepPlan, params: list[SamplingParams], generators: list[torch.Generator | None],
-                histories: list[tuple[list[int], list[int]]] | None = None) -> StepOutput:
+                histories: list[tuple[list[int], list[int]]] | None = None,
+                grammar_masks: Callable[[], TokenMask] | None = None) -> StepOutput:
         self.call("execute", plan)
         with self.workers.watch():
-            return super().execute(plan, params, generators, histories)
+            return super().execute(plan, params, generators, histories, grammar_masks)
 
     def prepare_for_serving(self) -> tuple[tuple[int, int], ...]:
         self.call("prepare_for_serving", None)  # every rank compiles, and captures graphs with collectives
@@ -54,9 +56,9 @@ class DriverRunner(Runner):
             return super().prepare_for_serving()
 
     def _draw(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-              drafts: list[tuple[int, ...]] | None,
-              histories: list[tuple[list[int], list[int]]] | None) -> list[SampleResult]:
-        results = super()._draw(logits, params, generators, drafts, histories)
+              drafts: list[tuple[int, ...]] | None, histories: list[tuple[list[int], list[int]]] | None,
+              grammar: TokenMask | None = None) -> list[SampleResult]:
+        results = super()._draw(logits, params, generators, drafts, histories, grammar)
         self.workers.send(("results", results))
         return results
 
@@ -97,8 +99,8 @@ class WorkerRunner(Runner):
         return pickle.load(self.inbox)
 
     def _draw(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-              drafts: list[tuple[int, ...]] | None,
-              histories: list[tuple[list[int], list[int]]] | None) -> list[SampleResult]:
+              drafts: list[tuple[int, ...]] | None, histories: list[tuple[list[int], list[int]]] | None,
+              grammar: TokenMask | None = None) -> list[SampleResult]:
         kind, results = self.receive()
         assert kind == "results", f"rank 0 sent {kind!r} where a step's sampling results belong"
         return results

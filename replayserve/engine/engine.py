@@ -11,6 +11,7 @@ import torch
 
 from replayserve.cache.manager import CacheManager, CacheMetrics
 from replayserve.config import EngineConfig
+from replayserve.engine.grammars import Grammars
 from replayserve.engine.penalties import uses_history
 from replayserve.engine.prompt_logprobs import PromptScores
 from replayserve.engine.request import Request, Status
@@ -21,6 +22,7 @@ from replayserve.engine.warmup import WarmupReport, run_warm_up
 from replayserve.sampling_params import SamplingParams
 from replayserve.speculative.metrics import SpecMetrics
 from replayserve.speculative.proposers import DraftRequest, Proposer
+from replayserve.structured.grammar import check_structured_outputs
 from replayserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,11 @@ def validate_request(config: EngineConfig, has_tokenizer: bool, prompt_token_ids
     if any(t >= vocab for t in params.stop_token_ids):
         raise ValueError(f"SamplingParams.stop_token_ids must be < the vocabulary size {vocab}, "
                          f"got {list(params.stop_token_ids)}")
+    if params.structured_outputs is not None:
+        if not has_tokenizer:
+            raise ValueError("SamplingParams.structured_outputs needs a tokenizer; the model directory has no "
+                             "tokenizer.json")
+        check_structured_outputs(params.structured_outputs)
 
 
 class Engine:
@@ -94,6 +101,7 @@ class Engine:
                                    config.mamba_cache_mode, spec.num_speculative_tokens if spec else 0,
                                    config.resolved_max_model_len)
         self.spec_metrics = SpecMetrics()
+        self.grammars = Grammars(tokenizer, config.model.vocab_size, config.model.eos_token_ids)
         self._ids = itertools.count()
         self._generators: dict[str, torch.Generator] = {}
         self.num_generated_tokens = 0
@@ -103,8 +111,9 @@ class Engine:
         self._launched: _Launched | None = None
         if config.async_scheduling:
             logger.info("async scheduling: a plain decode step is planned and launched while the previous one runs; "
-                        "steps with prefill chunks, Mamba boundary states (prefix caching), penalties or min_tokens, "
-                        "and steps planned while a request waits for room or blocks run out, run synchronously")
+                        "steps with prefill chunks, Mamba boundary states (prefix caching), penalties, min_tokens or "
+                        "a grammar, and steps planned while a request waits for room or blocks run out, run "
+                        "synchronously")
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError for a request the engine cannot serve; touches no state."""
@@ -122,7 +131,10 @@ class Engine:
             gen = torch.Generator(device=self.runner.device)
             gen.manual_seed(params.seed)
             self._generators[request_id] = gen
-        self.scheduler.add(request)
+        constrained = params.structured_outputs is not None
+        self.scheduler.add(request, ready=not constrained)  # a grammar compiles first (`_admit_compiled`)
+        if constrained:
+            self.grammars.add(request)
         return request
 
     def get_metrics(self) -> dict[str, float]:
@@ -172,6 +184,12 @@ class Engine:
         a plain decode step too (`Scheduler.schedule_next`): a call then completes the step the
         previous call launched and leaves its successor running on the device. A failed call
         abandons both, as above."""
+        failed = self._admit_compiled()
+        if self._launched is None and not (self.scheduler.waiting or self.scheduler.running):
+            return failed
+        return failed + self._step(overlap)
+
+    def _step(self, overlap: bool) -> list[Request]:
         if self._launched is None:
             plan = self.scheduler.schedule(self._propose())
             if not plan.seqs:
@@ -199,7 +217,8 @@ class Engine:
         try:
             histories = ([(r.prompt_token_ids, r.output_token_ids) for r in sampling]
                          if any(uses_history(r.params) for r in sampling) else None)
-            results, prompt_scores = self.runner.execute(plan, [r.params for r in sampling], generators, histories)
+            results, prompt_scores = self.runner.execute(plan, [r.params for r in sampling], generators, histories,
+                                                         self.grammars.masks(plan, sampling))
             for seq in plan.seqs:
                 if seq.request_id in prompt_scores:
                     _add_prompt_scores(self.scheduler.unfinished[seq.request_id], seq.start_pos,
@@ -264,6 +283,18 @@ class Engine:
         self._count_step(plan)
         return finished
 
+    def _admit_compiled(self) -> list[Request]:
+        """Requests whose grammar has compiled join the queue (when nothing else can run, the
+        engine waits for one); those whose grammar failed to compile finish ("abort")."""
+        if not self.scheduler.unready:
+            return []
+        ready, failed = self.grammars.compiled(block=not (self.scheduler.waiting or self.scheduler.running))
+        for request in ready:
+            self.scheduler.ready(request)
+        for request, _ in failed:
+            self._finish(request, "abort")
+        return [request for request, _ in failed]
+
     def _generators_of(self, requests: list[Request]) -> list[torch.Generator | None]:
         # Most requests have no generator (greedy or unseeded): skip the lookup when none has.
         return ([self._generators.get(r.request_id) for r in requests] if self._generators
@@ -278,6 +309,10 @@ class Engine:
         emitted: dict[str, int] = {}
         stopped: list[tuple[Request, Stop]] = []
         for request, (tokens, logprobs, ranks, stop) in zip(sampling, outcomes, strict=True):
+            if request.request_id in self.grammars and (kept := self.grammars.accept(request, tokens)) is not None:
+                # The grammar ended (its stop token): the request stops there.
+                stop = stop if stop is not None and kept == len(tokens) else Stop("stop", None, None)
+                tokens, logprobs, ranks = tokens[:kept], logprobs[:kept], ranks[:kept]
             request.output_token_ids.extend(tokens)
             request.output_logprobs.extend(logprobs)
             request.output_ranks.extend(ranks)
@@ -298,6 +333,7 @@ class Engine:
         for request, n in zip(sampling, lengths, strict=True):
             if request.status is not Status.FINISHED:
                 del request.output_token_ids[n:], request.output_logprobs[n:], request.output_ranks[n:]
+        self.grammars.take_back(sampling, lengths)
         for request, n in scored:
             del request.prompt_logprobs[n:], request.prompt_ranks[n:]
         for gen, state in rewind:
@@ -323,7 +359,8 @@ class Engine:
         if not wanted:
             return {}
         proposed = self.proposer.propose_batch(wanted)  # one call: a model proposer batches the rows
-        return {r.request_id: tuple(proposed.get(r.request_id, ()))[: r.room] for r in wanted}
+        drafts = {r.request_id: tuple(proposed.get(r.request_id, ()))[: r.room] for r in wanted}
+        return self.grammars.cut_drafts(drafts)  # a constrained row verifies what its grammar allows
 
     def _outcome(self, request: Request, result: SampleResult) -> tuple[list[int], list, list[int], Stop | None]:
         """What a sampled result adds to a request, without changing it: the tokens it keeps (a
@@ -372,6 +409,7 @@ class Engine:
             text = self.tokenizer.decode(request.output_token_ids)
         self.scheduler.finish(request, reason)
         self.runner.forget(request.request_id)
+        self.grammars.forget(request.request_id)
         self._generators.pop(request.request_id, None)
         request.text = text or ""
 

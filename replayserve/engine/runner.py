@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -20,6 +21,7 @@ from replayserve.layers.mlp import MoE
 from replayserve.layers.step_context import StepContext
 from replayserve.models.nemotron_h import NemotronHForCausalLM
 from replayserve.ops.dispatch import use_triton
+from replayserve.ops.token_bitmask import TokenMask
 from replayserve.sampling_params import SamplingParams
 from replayserve.ssm.backend import SSMBackend
 from replayserve.ssm.baseline import BaselineBackend
@@ -171,11 +173,14 @@ class Runner:
     def execute(
         self, plan: StepPlan, params: list[SamplingParams], generators: list[torch.Generator | None],
         histories: list[tuple[list[int], list[int]]] | None = None,
+        grammar_masks: Callable[[], TokenMask] | None = None,
     ) -> StepOutput:
         """Runs the step; returns one result per sampling sequence and the prompt scores asked for.
 
         params, generators and (when some row uses penalties or min_tokens) histories, the
         (prompt, output) tokens so far, are given for the sequences with `sample` set, in plan order.
+        grammar_masks: fills the constrained rows' token masks on the host; called once the
+        forward is queued, so it runs while the device computes.
         """
         if plan.reset_slots:
             self.ssm.reset_slots(self._ids(plan.reset_slots))
@@ -193,9 +198,10 @@ class Runner:
             hidden = self.model(input_ids, ctx, self.kv_caches, self.ssm)
             logits = None
         scores = self._score_prompts(plan, hidden) if width is None else {}  # graphed steps only decode
+        grammar = grammar_masks() if grammar_masks is not None else None
         results: list[SampleResult] = []
         if width == 1:  # a graphed plain decode step: row i samples at its one token, logits row i
-            results = self._draw(logits, params, generators, None, histories)
+            results = self._draw(logits, params, generators, None, histories, grammar)
             picks: list[range] = []
         else:  # logits at each sampling row's last token, and at every token of a verify row
             picks = self._picks(plan)
@@ -205,7 +211,7 @@ class Runner:
                 logits = self.model.compute_logits(hidden[self._ids(rows)])
             else:  # graphed logits cover every token
                 logits = logits[: len(rows)] if rows == list(range(len(rows))) else logits[self._ids(rows)]
-            results = self._sample(plan, picks, logits, params, generators, histories)
+            results = self._sample(plan, picks, logits, params, generators, histories, grammar)
         if self.hidden_store is not None:
             self._record_hidden(plan, hidden, results)
         if decode_slots.numel():
@@ -276,19 +282,19 @@ class Runner:
         return hidden[real], logits[real], slots
 
     def _sample(self, plan: StepPlan, picks: list[range], logits: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None],
-                histories: list[tuple[list[int], list[int]]] | None) -> list[SampleResult]:
+                generators: list[torch.Generator | None], histories: list[tuple[list[int], list[int]]] | None,
+                grammar: TokenMask | None) -> list[SampleResult]:
         """All sampling rows as one batch on the device, one transfer to the host. A row's logits are
         at its last len(pick) tokens; the ones after the first are its drafts (a verify row)."""
         sampling = [s for s in plan.seqs if s.sample]
         drafts = [s.token_ids[len(s.token_ids) - len(r) + 1 :] for s, r in zip(sampling, picks, strict=True)]
-        return self._draw(logits, params, generators, drafts, histories)
+        return self._draw(logits, params, generators, drafts, histories, grammar)
 
     def _draw(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-              drafts: list[tuple[int, ...]] | None,
-              histories: list[tuple[list[int], list[int]]] | None) -> list[SampleResult]:
+              drafts: list[tuple[int, ...]] | None, histories: list[tuple[list[int], list[int]]] | None,
+              grammar: TokenMask | None = None) -> list[SampleResult]:
         """The step's sampling (`sampler.sample`); tensor-parallel workers take rank 0's instead."""
-        return sample(logits, params, generators, drafts, histories, self.config.model.eos_token_ids)
+        return sample(logits, params, generators, drafts, histories, self.config.model.eos_token_ids, grammar)
 
     def forget(self, request_id: str) -> None:
         """Drops what the runner keeps for a finished request (the MTP proposer's hidden states)."""

@@ -5,7 +5,9 @@ last token); a speculative verify row has 1 + k (after its last known token and 
 k drafts). Positions are flattened in row order: logits (N, V), N = sum over rows of 1 + k.
 
 Per position, in float32 (float64 when the logits are float64):
-0. Penalties and the min_tokens ban (`engine/penalties.py`), for rows that use them.
+0. Grammar masks (`engine/grammars.py`: tokens the row's grammar refuses get -inf, in place, so
+   reported log-probabilities are of the masked distribution, as vLLM's), then penalties and the
+   min_tokens ban (`engine/penalties.py`), for rows that use them.
 1. Filter: temperature, then min-p, top-k and top-p, each a per-position tensor of `SamplingBatch`.
    The most likely token always survives, whatever the parameters round to in the compute dtype.
 2. Draw one token from the filtered distribution p by an exponential race: with E(t) ~ Exp(1)
@@ -35,6 +37,7 @@ import torch
 
 from replayserve.engine.penalties import Penalties, apply_penalties
 from replayserve.engine.transfer import to_device
+from replayserve.ops.token_bitmask import TokenMask, apply_token_bitmask
 from replayserve.sampling_params import SamplingParams
 from replayserve.speculative.acceptance import accept_drafts
 
@@ -194,9 +197,13 @@ class PendingSample(NamedTuple):
 def launch_sample(logits: torch.Tensor, params: Sequence[SamplingParams],
                   generators: Sequence[torch.Generator | None], drafts: Sequence[Sequence[int]] | None = None,
                   histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
-                  eos_token_ids: Sequence[int] = ()) -> PendingSample:
+                  eos_token_ids: Sequence[int] = (), grammar: TokenMask | None = None) -> PendingSample:
     """Samples every row of a step on the device and queues the one device-to-host transfer,
     without waiting for it (arguments as `sample`). Seeded generators advance now."""
+    if grammar is not None:
+        every = grammar.positions == tuple(range(logits.shape[0]))
+        apply_token_bitmask(logits, to_device(grammar.bitmask, logits.device),
+                            None if every else to_device(torch.tensor(grammar.positions), logits.device))
     if histories is None and (drafts is None or not any(drafts)) and all(
             p.greedy and p.logprobs is None for p in params):
         # The common decode step: argmax per row and one transfer, without building the batch's
@@ -251,7 +258,7 @@ def collect_sample(pending: PendingSample) -> list[SampleResult]:
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
            drafts: Sequence[Sequence[int]] | None = None,
            histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
-           eos_token_ids: Sequence[int] = ()) -> list[SampleResult]:
+           eos_token_ids: Sequence[int] = (), grammar: TokenMask | None = None) -> list[SampleResult]:
     """Samples every row of a step; one device-to-host transfer.
 
     Args:
@@ -260,12 +267,13 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
         drafts: per row, the drafts its positions verify; None: every row is plain.
         histories: per row, its (prompt, output) tokens so far, for penalties and min_tokens.
         eos_token_ids: the model's, banned by min_tokens.
+        grammar: the grammar masks of the constrained positions; the logits are masked in place.
 
     Returns:
         One SampleResult per row. Reported log-probabilities are those of the model's distribution,
         before temperature and truncation.
     """
-    return collect_sample(launch_sample(logits, params, generators, drafts, histories, eos_token_ids))
+    return collect_sample(launch_sample(logits, params, generators, drafts, histories, eos_token_ids, grammar))
 
 
 def token_ranks(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:

@@ -81,10 +81,21 @@ class Scheduler:
         self._flying: Counter[str] = Counter()  # request id -> launched steps with a row of it, not landed
         self._parked: list[Request] = []  # finished while flying: blocks and slot not yet returned
         self._held: list[Request] = []  # set aside by `hold`
+        # Requests that cannot run yet (their grammar compiles), beside the queue until `ready`.
+        self.unready: dict[str, Request] = {}
 
-    def add(self, request: Request) -> None:
-        self.waiting.append(request)
+    def add(self, request: Request, ready: bool = True) -> None:
+        """Queues a request; ready=False keeps it beside the queue until `ready` is called."""
+        if ready:
+            self.waiting.append(request)
+        else:
+            self.unready[request.request_id] = request
         self.unfinished[request.request_id] = request
+
+    def ready(self, request: Request) -> None:
+        """A request added with ready=False can run: it joins the queue."""
+        del self.unready[request.request_id]
+        self.waiting.append(request)
 
     def hold(self, keep: Collection[str]) -> None:
         """Sets aside every unfinished request whose id is not in ``keep`` (running ones are
@@ -103,7 +114,7 @@ class Scheduler:
             self._held = []
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.unready)
 
     def schedule(self, drafts: Mapping[str, tuple[int, ...]] | None = None) -> StepPlan:
         """Plans the next step. drafts: proposed tokens per decoding request (at most its
@@ -168,12 +179,13 @@ class Scheduler:
     def overlappable(self, plan: StepPlan) -> bool:
         """Every row decodes one token and nothing between the steps needs the host: no drafts,
         no Mamba boundary state, no slot reset or copy, no penalties or min_tokens (the sampler
-        reads those rows' tokens so far). The step after such a step can be planned before its
-        tokens are known (`schedule_next`)."""
+        reads those rows' tokens so far), no grammar (its mask needs the previous token). The step
+        after such a step can be planned before its tokens are known (`schedule_next`)."""
         if not plan.seqs or plan.reset_slots or plan.state_copies:
             return False
         return all(s.is_decode and not s.num_drafts and not s.boundary_writes
-                   and not uses_history(self.unfinished[s.request_id].params) for s in plan.seqs)
+                   and not uses_history(p := self.unfinished[s.request_id].params) and p.structured_outputs is None
+                   for s in plan.seqs)
 
     def schedule_next(self, plan: StepPlan) -> StepPlan | None:
         """The plain decode step after `plan`, planned while `plan` runs (async scheduling): its
@@ -362,6 +374,8 @@ class Scheduler:
     def finish(self, request: Request, reason: str) -> None:
         if request.status is Status.RUNNING:
             self._release(request)
+        elif request.request_id in self.unready:
+            del self.unready[request.request_id]
         elif request.status is Status.WAITING:
             self.waiting.remove(request)
         request.status = Status.FINISHED

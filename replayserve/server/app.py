@@ -26,6 +26,8 @@ from replayserve.server.errors import ApiError, validation_error
 from replayserve.server.generation import Generation
 from replayserve.server.metrics import ServerMetrics
 from replayserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, error_body
+from replayserve.server.reasoning import REASONING_PARSERS
+from replayserve.server.tool_parsers import TOOL_CALL_PARSERS
 from replayserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -36,11 +38,14 @@ MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 
 def create_app(source: LLM | ProcessCore, model_name: str, max_waiting_requests: int = 256,
-               api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+               api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
+               tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """An app serving ``source`` under ``model_name``: an engine core process that has been
     launched (`serve`), or an `LLM` whose engine then steps on a thread of this process.
     api_key: every /v1 route then needs ``Authorization: Bearer <api_key>`` (/health and
-    /metrics stay open); max_request_bytes: larger bodies are refused with a 413.
+    /metrics stay open); max_request_bytes: larger bodies are refused with a 413;
+    tool_call_parser: the format of the model's tool calls, a name of `TOOL_CALL_PARSERS`;
+    reasoning_parser: its reasoning blocks', a name of `REASONING_PARSERS`.
     ``app.state.engine`` is its `AsyncEngine` and ``app.state.metrics`` its `ServerMetrics`;
     ``app.state.draining`` set makes new generation requests answer 503. If the core dies, the
     requests in flight fail, /health answers 503 and ``app.state.on_fatal`` (if set) is called."""
@@ -51,8 +56,14 @@ def create_app(source: LLM | ProcessCore, model_name: str, max_waiting_requests:
     else:
         core = source
         tokenizer, chat_template = Tokenizer.from_dir(source.model), ChatTemplate.from_dir(source.model)
+    for name, value, choices in (("tool_call_parser", tool_call_parser, TOOL_CALL_PARSERS),
+                                 ("reasoning_parser", reasoning_parser, REASONING_PARSERS)):
+        if value is not None and value not in choices:
+            raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
     engine = AsyncEngine(core, tokenizer, metrics, max_waiting_requests)
-    generation = Generation(engine, model_name, tokenizer, chat_template)
+    generation = Generation(engine, model_name, tokenizer, chat_template,
+                            None if tool_call_parser is None else TOOL_CALL_PARSERS[tool_call_parser],
+                            None if reasoning_parser is None else REASONING_PARSERS[reasoning_parser])
     created = int(time.time())
 
     @asynccontextmanager

@@ -17,6 +17,7 @@ import dataclasses
 import msgspec
 
 from replayserve.sampling_params import SamplingParams
+from replayserve.structured import StructuredOutputsParams
 
 
 class AddRequest(msgspec.Struct, tag=True, array_like=True):
@@ -101,5 +102,8 @@ def params_to_dict(params: SamplingParams) -> dict:
 
 
 def params_from_dict(fields: dict) -> SamplingParams:
-    """Lists come back where tuples went; `SamplingParams` turns them back and checks every field."""
+    """Lists come back where tuples went; `SamplingParams` turns them back and checks every field.
+    A constraint comes as its fields; the core compiles it (its grammar cache is by its key)."""
+    if fields.get("structured_outputs") is not None:
+        fields = {**fields, "structured_outputs": StructuredOutputsParams(**fields["structured_outputs"])}
     return SamplingParams(**fields)

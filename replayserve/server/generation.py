@@ -8,6 +8,7 @@ collected) has its completions aborted at the next step boundary.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -18,9 +19,11 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from replayserve.chat import ChatTemplate, Message
+from replayserve.chat import ChatTemplate, Message, encode_rendered
 from replayserve.sampling_params import SamplingParams
 from replayserve.server.async_engine import AsyncEngine, Delta, EngineError, Overloaded, RequestGroup
+from replayserve.server.chat_output import ChatChoices
+from replayserve.server.constraints import constrain
 from replayserve.server.errors import ApiError, invalid_value
 from replayserve.server.protocol import (
     ChatChoice,
@@ -29,7 +32,6 @@ from replayserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatMessage,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -40,6 +42,8 @@ from replayserve.server.protocol import (
     Usage,
     error_body,
 )
+from replayserve.server.tool_parsers import ToolCallParser
+from replayserve.server.tools import tool_use
 from replayserve.tokenizer import Tokenizer, check_unicode
 
 # Seconds a client told 429 is asked to wait: about what a batch of short requests takes.
@@ -73,7 +77,7 @@ class _Format:
     id_prefix: str
     prompt_field: str  # what an error about the prompt names
     chunk_type: type[BaseModel]
-    chunk: Callable[[str, int, Delta, int], BaseModel]
+    chunk: Callable[[str, int, Delta, int], BaseModel | None]
     whole: Callable[[str, int, list[_Choice], Usage], BaseModel]
     first: Callable[[str, int, int], BaseModel] | None = None
 
@@ -82,11 +86,17 @@ class Generation:
     """The routes' shared part: the async engine, the served model's name, its tokenizer and chat template."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, tokenizer: Tokenizer | None,
-                 chat_template: ChatTemplate) -> None:
+                 chat_template: ChatTemplate, tool_call_parser: ToolCallParser | None = None,
+                 reasoning_markers: tuple[str, str] | None = None) -> None:
+        """tool_call_parser: the model's tool-call format (`--tool-call-parser`); reasoning_markers:
+        its reasoning block's tags (`--reasoning-parser`): chat splits them out as
+        reasoning_content, and a grammar waits until the block has closed."""
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_markers = reasoning_markers
 
     # -- routes ------------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, raw: HttpRequest) -> Response:
@@ -96,6 +106,7 @@ class Generation:
             params = body.sampling_params(body.max_tokens, body.logprobs)
         except ValueError as e:
             raise invalid_value(e, "prompt") from e
+        params = await constrain(body, params)
         self._check_context(max(len(p) for p in prompts), body.max_tokens, "max_tokens", "prompt")
         k = body.logprobs or 0
 
@@ -118,12 +129,16 @@ class Generation:
         self._check_request(body)
         if self.tokenizer is None:
             raise ApiError(400, "chat needs a tokenizer; the model directory has no tokenizer.json", "messages")
+        use = tool_use(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_call_parser)
+        tokenizer = self.tokenizer
+        render = functools.partial(self.chat_template.render, _flatten_content(body.messages), True, use.tools,
+                                   body.chat_template_kwargs)
         try:
             # off the event loop, as text prompts are: a long one must not stall other streams
-            prompt = await asyncio.to_thread(self.chat_template.prompt_ids, _flatten_content(body.messages),
-                                             self.tokenizer)
+            text, prompt = await asyncio.to_thread(lambda: (t := render(), encode_rendered(t, tokenizer)))
         except ValueError as e:
-            raise ApiError(400, str(e), "messages") from e
+            field = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
+            raise ApiError(400, str(e), field) from e
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise ApiError(400, "give max_tokens or max_completion_tokens, not both", "max_tokens")
         room = self.engine.config.resolved_max_model_len - len(prompt)
@@ -139,17 +154,23 @@ class Generation:
                                           k if body.logprobs else None)
         except ValueError as e:
             raise invalid_value(e, "messages", {"logprobs": "top_logprobs"}) from e
+        params = await constrain(body, params, self.reasoning_markers,
+                                 forced=None if use.constraint is None else (use.constraint, "tools"))
+        outputs = ChatChoices(use, self.tool_call_parser, self.reasoning_markers, text)
 
-        def chunk(rid: str, created: int, d: Delta, offset: int) -> BaseModel:
+        def chunk(rid: str, created: int, d: Delta, offset: int) -> BaseModel | None:
+            delta = outputs.delta(d.index, d.text, d.finish_reason is not None)
+            if delta is None and d.logprobs is None and d.finish_reason is None:
+                return None
             lp = None if d.logprobs is None else self._chat_logprobs(d.token_ids, d.logprobs, k)
             return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[ChatChunkChoice(
-                index=d.index, delta=DeltaMessage(content=d.text), logprobs=lp, finish_reason=d.finish_reason,
-                stop_reason=d.stop_reason)])
+                index=d.index, delta=delta or DeltaMessage(content=""), logprobs=lp,
+                finish_reason=outputs.finish_reason(d.index, d.finish_reason), stop_reason=d.stop_reason)])
 
         def whole(rid: str, created: int, choices: list[_Choice], usage: Usage) -> BaseModel:
             return ChatCompletionResponse(id=rid, created=created, model=self.model_name, usage=usage, choices=[
-                ChatChoice(index=i, message=ChatMessage(content=c.text), finish_reason=c.finish_reason,
-                           stop_reason=c.stop_reason,
+                ChatChoice(index=i, message=outputs.message(i, c.text),
+                           finish_reason=outputs.finish_reason(i, c.finish_reason), stop_reason=c.stop_reason,
                            logprobs=None if not body.logprobs else self._chat_logprobs(
                                [t for t, _ in c.logprobs], [lp for _, lp in c.logprobs], k))
                 for i, c in enumerate(choices)])
@@ -201,7 +222,9 @@ class Generation:
                 offset = len(choices[delta.index].text)
                 choices[delta.index].add(delta)
                 if delta.text or delta.logprobs or delta.finish_reason:
-                    yield _event(fmt.chunk(rid, created, delta, offset))
+                    event = fmt.chunk(rid, created, delta, offset)
+                    if event is not None:  # chat holds back text that may open a tool call
+                        yield _event(event)
             if include_usage:
                 usage = _usage(num_prompt_tokens, choices)
                 yield _event(fmt.chunk_type(id=rid, created=created, model=self.model_name, choices=[], usage=usage))
@@ -212,13 +235,10 @@ class Generation:
         yield "data: [DONE]\n\n"
 
     def _check_request(self, body: CompletionRequest | ChatCompletionRequest) -> None:
-        """The model named and the response format: what both routes check before anything else."""
+        """The model named: what both routes check before anything else."""
         if body.model is not None and body.model != self.model_name:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
                            "model", code="model_not_found")
-        if body.response_format is not None and body.response_format.type != "text":
-            raise ApiError(400, f"response_format type {body.response_format.type!r} is not supported; the "
-                           "only type served is 'text' (the default)", "response_format")
 
     def _check_context(self, num_prompt_tokens: int, max_tokens: int, field: str, prompt_field: str) -> None:
         """A 400, as vLLM answers, when the prompt and max_tokens together exceed max_model_len; a

@@ -26,8 +26,9 @@ class StreamOptions(_Request):
 
 
 class ResponseFormat(BaseModel):
-    """`{"type": "text"}`, the default, is the only format served; the others' extra fields
-    (json_schema) are let through here so that the refusal names the type, not a sub-field."""
+    """`{"type": "text"}` (the default), `{"type": "json_object"}` or `{"type": "json_schema",
+    "json_schema": {"name", "schema", "strict", "description"}}`; the fields past `type` are read by
+    `server/constraints.py`, which names what is wrong in them."""
 
     model_config = ConfigDict(strict=True, extra="allow")
     type: str
@@ -53,6 +54,12 @@ class _GenerationRequest(_Request):
     repetition_penalty: float = 1.0
     user: str | None = None  # accepted for compatibility; not used
     response_format: ResponseFormat | None = None
+    # vLLM's extra fields for a constraint (`server/constraints.py`): one of them, or response_format.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming `SamplingParams.<field>` for a value out of range."""
@@ -87,6 +94,11 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, le=MAX_TOP_LOGPROBS)
+    # Tool calling (`server/tools.py` checks them) and the template's extra variables.
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class Usage(BaseModel):
@@ -138,9 +150,40 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
+class DeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of the tool call at `index` of the message: the first names it (id, name)."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunction
+
+    def model_post_init(self, context: Any) -> None:
+        if self.id is not None and self.type is None:
+            self.type = "function"
+
+
 class ChatMessage(BaseModel):
     role: str = "assistant"
-    content: str
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -163,6 +206,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -3,6 +3,8 @@ model, and an offline `LLM` with the same engine options to compare its outputs 
 
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -54,6 +56,13 @@ class RunningServer:
     def assert_pools_full(self) -> None:
         self.wait_idle()
         assert_pools_full(self.llm)
+
+
+def with_chat_template(model_dir: Path, out: Path, template: str) -> Path:
+    """A copy of ``model_dir`` at ``out`` whose tokenizer_config.json holds ``template``."""
+    shutil.copytree(model_dir, out)
+    (out / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return out
 
 
 def start_server(model_dir: Path, **app_options: Any) -> RunningServer:

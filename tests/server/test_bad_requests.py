@@ -34,7 +34,7 @@ CASES = [
     ("completions", {"prompt": "Hi", "logprobs": MAX_COMPLETION_LOGPROBS + 1}, 400, "logprobs"),
     ("completions", {"prompt": "Hi", "max_tokens": 100000}, 400, "max_tokens"),
     ("completions", {"prompt": [TOO_LONG[:10], TOO_LONG[:1000]], "max_tokens": 30}, 400, "max_tokens"),
-    ("completions", {"prompt": "Hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("completions", {"prompt": "Hi", "response_format": {"type": "yaml"}}, 400, "response_format"),
     ("completions", {"prompt": "Hi", "response_format": "text"}, 400, "response_format"),
     ("completions", {"prompt": "Hi", "stream": "yes"}, 400, "stream"),
     ("completions", {"prompt": "Hi", "ignore_eos": 1}, 400, "ignore_eos"),

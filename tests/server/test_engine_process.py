@@ -25,6 +25,7 @@ from replayserve.engine.runner import Runner
 from replayserve.server import create_app
 from replayserve.server.core_messages import Abort
 from replayserve.server.core_process import ProcessCore, run_engine_core
+from replayserve.structured import StructuredOutputsParams
 from tests.server.conftest import run_uvicorn
 
 MODEL_NAME = "tiny"
@@ -119,6 +120,22 @@ def test_outputs_equal_offline_generation(served: ProcessServer, offline: LLM) -
         assert choice["finish_reason"] == want.outputs[0].finish_reason
         assert choice["logprobs"]["token_logprobs"] == pytest.approx(
             [lp[t].logprob for lp, t in zip(want.outputs[0].logprobs, want.outputs[0].token_ids, strict=True)])
+
+
+def test_a_constraint_crosses_to_the_core_and_equals_offline(served: ProcessServer, offline: LLM) -> None:
+    """The front end checks the constraint, the core compiles it (`params_from_dict`)."""
+    pytest.importorskip("xgrammar")
+    pattern = r"[a-z]{1,6}(, [a-z]{1,6}){0,3}\."
+    params = SamplingParams(temperature=0, max_tokens=30, structured_outputs=StructuredOutputsParams(regex=pattern))
+    expected = offline.generate(["def f(x", "import"], params, use_tqdm=False)
+    response = httpx.post(f"{served.base_url}/v1/completions", headers=AUTH, timeout=60, json={
+        "model": MODEL_NAME, "prompt": ["def f(x", "import"], "max_tokens": 30, "temperature": 0,
+        "guided_regex": pattern})
+    assert response.status_code == 200, response.text
+    texts = [c["text"] for c in response.json()["choices"]]
+    assert texts == [o.outputs[0].text for o in expected]
+    assert all(re.fullmatch(pattern, t) for t in texts)
+    _wait_idle(served.base_url)
 
 
 def test_one_guilty_request_among_six_fails_alone(served: ProcessServer, offline: LLM) -> None:

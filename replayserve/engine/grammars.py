@@ -1,0 +1,160 @@
+"""The engine's requests with a grammar (`SamplingParams.structured_outputs`): their compilation,
+their drafts, each step's token masks and the tokens they accept.
+
+Per step, for the engine (`engine/engine.py`):
+- `compiled`: requests whose grammar has compiled go to the scheduler (they waited beside it);
+- `cut_drafts`: a constrained row verifies only the drafts its grammar allows (none while it
+  reasons), so every position of a verify has a mask;
+- `masks`: a callable the runner calls once the forward is queued, so the masks are filled on the
+  host while the device runs: one bitmask row per position of each constrained sampling row (a
+  verify's positions by advancing the matcher over the drafts, then rolling it back);
+- `accept`: the tokens kept advance the matcher; a grammar that ends (its stop token) ends the
+  request with "stop", and a failed step's `take_back` rolls the matchers back with the output.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from replayserve.engine.request import Request
+from replayserve.ops.token_bitmask import TokenMask
+from replayserve.structured.compiler import GrammarCompiler
+from replayserve.structured.request_grammar import RequestGrammar
+from replayserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from replayserve.engine.scheduler import StepPlan
+
+logger = logging.getLogger(__name__)
+
+
+class Grammars:
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        """vocab_size: the model's (the width of its logits); stop_token_ids: its EOS ids."""
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._stop_token_ids = tuple(stop_token_ids)
+        self._compiler: GrammarCompiler | None = None  # made by the first constrained request
+        self._batch = None  # xgrammar.BatchGrammarMatcher: fills a step's masks on several threads
+        self._grammars: dict[str, RequestGrammar] = {}  # by request id
+        self._compiling: dict[str, Request] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._grammars
+
+    def add(self, request: Request) -> None:
+        """Starts compiling the request's grammar; `compiled` hands it back once done."""
+        so = request.params.structured_outputs
+        assert so is not None and self._tokenizer is not None, "validation refuses a grammar without a tokenizer"
+        if self._compiler is None:
+            self._compiler = GrammarCompiler(self._tokenizer, self._vocab_size, self._stop_token_ids)
+        prompt = "" if so.reasoning_markers is None else self._decode(request.prompt_token_ids)
+        self._grammars[request.request_id] = RequestGrammar(self._compiler.submit(so), so.reasoning_markers, prompt)
+        self._compiling[request.request_id] = request
+
+    def compiled(self, block: bool) -> tuple[list[Request], list[tuple[Request, BaseException]]]:
+        """Requests whose grammar has compiled since the last call, and those whose compilation
+        failed (with why). block: wait until at least one is done (nothing else can run)."""
+        if not self._compiling:
+            return [], []
+        if block:
+            concurrent.futures.wait([self._grammars[i].compiled for i in self._compiling],
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        ready: list[Request] = []
+        failed: list[tuple[Request, BaseException]] = []
+        for request_id, request in list(self._compiling.items()):
+            grammar = self._grammars[request_id]
+            if not grammar.compiled.done():
+                continue
+            del self._compiling[request_id]
+            if (error := grammar.compiled.exception()) is not None:
+                logger.error("request %s: its grammar did not compile: %s", request_id, error)
+                failed.append((request, error))
+                continue
+            grammar.start_matching()
+            ready.append(request)
+        return ready, failed
+
+    def cut_drafts(self, drafts: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """``drafts`` with each constrained row's cut to what its grammar allows."""
+        out = dict(drafts)
+        for request_id, proposed in drafts.items():
+            grammar = self._grammars.get(request_id)
+            if grammar is not None and proposed:
+                out[request_id] = proposed[: grammar.valid_drafts(proposed)]
+        return out
+
+    def masks(self, plan: StepPlan, sampling: Sequence[Request]) -> Callable[[], TokenMask] | None:
+        """The step's token masks, filled when called (None: no sampling row is constrained now).
+        sampling: the requests of the plan's sampling rows, in plan order."""
+        if not self._grammars:
+            return None
+        rows: list[tuple[RequestGrammar, int, tuple[int, ...]]] = []  # grammar, first position, drafts
+        position = 0
+        for seq, request in zip((s for s in plan.seqs if s.sample), sampling, strict=True):
+            grammar = self._grammars.get(request.request_id)
+            if grammar is not None and grammar.active:
+                rows.append((grammar, position, seq.token_ids[len(seq.token_ids) - seq.num_drafts :]))
+            position += 1 + seq.num_drafts
+        return functools.partial(self._fill, rows) if rows else None
+
+    def _fill(self, rows: list[tuple[RequestGrammar, int, tuple[int, ...]]]) -> TokenMask:
+        """Masks of every position of ``rows``: depth d of a row is its matcher after its first d
+        drafts. Positions after a draft the grammar refuses or after its end allow every token
+        (verification never emits them)."""
+        import xgrammar as xgr
+
+        if self._batch is None:
+            self._batch = xgr.BatchGrammarMatcher()
+        firsts = []
+        positions: list[int] = []
+        for _, first, drafts in rows:
+            firsts.append(len(positions))
+            positions += range(first, first + 1 + len(drafts))
+        bitmask = xgr.allocate_token_bitmask(len(positions), self._vocab_size)
+        advanced = [0] * len(rows)
+        live = list(range(len(rows)))
+        try:
+            for depth in range(1 + max(len(drafts) for _, _, drafts in rows)):
+                live = [i for i in live if len(rows[i][2]) >= depth]
+                if not live:
+                    break
+                self._batch.batch_fill_next_token_bitmask([rows[i][0].matcher for i in live], bitmask,
+                                                          [firsts[i] + depth for i in live])
+                going = []
+                for i in live:
+                    grammar, _, drafts = rows[i]
+                    if depth < len(drafts) and grammar.matcher.accept_token(drafts[depth]):
+                        advanced[i] += 1
+                        if not grammar.matcher.is_terminated():
+                            going.append(i)
+                live = going
+        finally:  # the matchers stay where the output is, whatever happens
+            for (grammar, _, _), n in zip(rows, advanced, strict=True):
+                if n:
+                    grammar.matcher.rollback(n)
+        return TokenMask(bitmask, tuple(positions))
+
+    def accept(self, request: Request, tokens: Sequence[int]) -> int | None:
+        """The constrained request's grammar advances over the ``tokens`` a step appends to its
+        output; how many of them to keep when it ended (then the request stops), else None."""
+        return self._grammars[request.request_id].accept(request.output_token_ids, tokens, self._decode)
+
+    def take_back(self, requests: Iterable[Request], lengths: Iterable[int]) -> None:
+        """A failed step: each request's output goes back to its length, and its matcher with it."""
+        for request, length in zip(requests, lengths, strict=True):
+            grammar = self._grammars.get(request.request_id)
+            if grammar is not None:
+                grammar.take_back(length)
+
+    def forget(self, request_id: str) -> None:
+        self._grammars.pop(request_id, None)
+        self._compiling.pop(request_id, None)
+
+    def _decode(self, ids: list[int]) -> str:
+        assert self._tokenizer is not None
+        return self._tokenizer.decode(ids, skip_special_tokens=False)

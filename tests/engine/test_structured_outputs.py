@@ -1,0 +1,188 @@
+"""Structured outputs in the engine: outputs follow their grammar (JSON schema, regex, choice) in
+every sample where the model alone would not, with and without speculation, on both SSM
+backends, with async scheduling; a failed step rolls the matchers back; a request waits for its
+grammar beside the queue while the others step; a bad constraint is refused before anything is
+queued; a reasoning block is left free."""
+
+from __future__ import annotations
+
+import re
+import threading
+from pathlib import Path
+
+import pytest
+
+from replayserve import LLM, SamplingParams
+from replayserve.engine.request import Status
+from replayserve.structured import StructuredOutputsParams
+from replayserve.structured.compiler import GrammarCompiler
+from tests.conftest import assert_pools_full
+from tests.structured.examples import CHOICES, EMAIL, SCHEMA, valid_json
+
+pytest.importorskip("xgrammar")
+
+
+
+
+@pytest.fixture(scope="module")
+def code_llm() -> LLM:
+    return LLM(model="replayserve/tiny-code", dtype="float32", device="cpu", max_num_seqs=50)
+
+
+def test_a_nested_schema_holds_in_every_sample_where_the_model_alone_writes_no_json(code_llm: LLM) -> None:
+    params = SamplingParams(n=50, temperature=1.0, seed=0, max_tokens=300,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    completions = code_llm.generate("def area(r):", params, use_tqdm=False)[0].outputs
+    assert all(valid_json(c.text) for c in completions), [c.text for c in completions if not valid_json(c.text)]
+    assert all(c.finish_reason == "stop" for c in completions)
+    assert len({c.text for c in completions}) > 40, "samples differ: the grammar masks, it does not dictate"
+    alone = code_llm.generate("def area(r):", SamplingParams(n=50, temperature=1.0, seed=0, max_tokens=120),
+                              use_tqdm=False)[0].outputs
+    assert sum(valid_json(c.text) for c in alone) == 0
+    assert_pools_full(code_llm)
+
+
+@pytest.mark.parametrize(("constraint", "check"), [
+    (StructuredOutputsParams(regex=EMAIL), lambda text: re.fullmatch(EMAIL, text) is not None),
+    (StructuredOutputsParams(choice=CHOICES), lambda text: text in CHOICES),
+])
+def test_regex_and_choice_hold_in_every_sample(code_llm: LLM, constraint: StructuredOutputsParams, check) -> None:  # noqa: ANN001
+    params = SamplingParams(n=50, temperature=1.0, seed=1, max_tokens=40, ignore_eos=True,
+                            structured_outputs=constraint)
+    completions = code_llm.generate("def f(x):", params, use_tqdm=False)[0].outputs
+    assert all(check(c.text) for c in completions), [c.text for c in completions]
+    # ignore_eos: the grammar's end still ends the request, with "stop"
+    assert all(c.finish_reason == "stop" for c in completions)
+    assert len({c.text for c in completions}) > 1
+
+
+@pytest.mark.parametrize("options", [
+    {"speculative": {"method": "ngram", "num_speculative_tokens": 3}},
+    {"ssm_backend": "replay"},
+    {"ssm_backend": "replay", "speculative": {"method": "ngram", "num_speculative_tokens": 2},
+     "enable_prefix_caching": True},
+    {"async_scheduling": True},
+])
+def test_greedy_constrained_outputs_do_not_depend_on_the_engine_options(tiny_model_dir: Path, options: dict) -> None:
+    prompts = ["def f(x):", "The quick brown fox", "def f(x):\n    return"]
+    params = [SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(json=SCHEMA)),
+              SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(regex=EMAIL)),
+              SamplingParams(temperature=0, max_tokens=24)]  # unconstrained beside them
+    base = LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", max_num_seqs=4)
+    other = LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", max_num_seqs=4, **options)
+    expected = [o.outputs[0].token_ids for o in base.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in other.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    if "speculative" in options:
+        assert other.get_metrics()["spec_num_draft_tokens"] > 0
+    assert_pools_full(other)
+
+
+def test_seeded_constrained_samples_follow_the_grammar_with_drafts(tiny_model_dir: Path) -> None:
+    llm = LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", max_num_seqs=8,
+              speculative={"method": "ngram", "num_speculative_tokens": 3})
+    params = SamplingParams(n=8, temperature=1.0, seed=5, max_tokens=30, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(regex=r"(ab|cd){2,20}!"))
+    completions = llm.generate("abababab cdcdcd", params, use_tqdm=False)[0].outputs
+    assert all(re.fullmatch(r"(ab|cd){2,20}!", c.text) for c in completions), [c.text for c in completions]
+    metrics = llm.get_metrics()
+    assert metrics["spec_num_accepted_tokens"] > 0, "drafts verified under the grammar's masks"
+
+
+def test_a_failed_step_rolls_the_matchers_back(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    params = SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=EMAIL))
+    llm = LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", max_num_seqs=2)
+    expected = llm.generate("def f(x):", params, use_tqdm=False)[0].outputs[0].token_ids
+    engine = llm.engine
+    request = engine.add_request(llm.tokenizer.encode("def f(x):"), params)
+    for _ in range(4):
+        engine.step()
+    update = engine.scheduler.update
+
+    def fail_after_accepting(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(engine.scheduler, "update", fail_after_accepting)
+    before = list(request.output_token_ids)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    assert request.output_token_ids == before
+    assert engine.grammars._grammars[request.request_id].consumed == len(before)
+    monkeypatch.setattr(engine.scheduler, "update", update)
+    while engine.has_unfinished():
+        engine.step()
+    assert request.output_token_ids == expected
+
+
+def test_a_request_waits_for_its_grammar_while_the_others_step(tiny_model_dir: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", max_num_seqs=4)
+    release = threading.Event()
+    compile_grammar = GrammarCompiler._compile
+
+    def slow(self: GrammarCompiler, params: StructuredOutputsParams) -> object:
+        assert release.wait(60)
+        return compile_grammar(self, params)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", slow)
+    engine = llm.engine
+    ids = llm.tokenizer.encode("def f(x):")
+    constrained = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=8, structured_outputs=(
+        StructuredOutputsParams(choice=["yes", "no"]))))
+    plain = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert len(plain.output_token_ids) == 3 and not constrained.output_token_ids
+    assert constrained.status is Status.WAITING and constrained.request_id in engine.scheduler.unready
+    release.set()
+    while engine.has_unfinished():
+        engine.step()  # with nothing else to run, the engine waits for the grammar
+    assert constrained.text in ("yes", "no") and plain.finish_reason == "length"
+    assert_pools_full(llm)
+
+
+def test_a_request_aborted_or_failed_while_compiling_frees_everything(tiny_model_dir: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", max_num_seqs=2)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
+    aborted = engine.add_request([5, 6, 7], params)
+    engine.abort(aborted)
+    assert aborted.finish_reason == "abort" and not engine.has_unfinished()
+
+    def broken(self: GrammarCompiler, params: StructuredOutputsParams) -> object:
+        raise MemoryError("no room for the token masks")
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", broken)
+    failed = engine.add_request([5, 6, 7], SamplingParams(structured_outputs=StructuredOutputsParams(choice=["c"])))
+    assert engine.step() == [failed] and failed.finish_reason == "abort"
+    assert not engine.has_unfinished()
+    assert_pools_full(llm)
+
+
+def test_a_constraint_the_engine_cannot_honour_is_refused_before_anything_is_queued(tiny_model_dir: Path) -> None:
+    llm = LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", max_num_seqs=2)
+    good = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a"]))
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "array", "uniqueItems": True}))
+    with pytest.raises(ValueError, match="keyword 'uniqueItems' at # is not supported"):
+        llm.generate(["x", "y"], [good, bad], use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+
+
+def test_the_grammar_waits_for_the_reasoning_block_to_close(code_llm: LLM) -> None:
+    """End marker ")": the built-in model closes the call it is in, then the grammar applies."""
+    params = SamplingParams(n=8, temperature=1.0, seed=2, max_tokens=60, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(choice=CHOICES,
+                                                                       reasoning_markers=("<think>", ")")))
+    tokenizer = code_llm.tokenizer
+    for completion in code_llm.generate("    return sum(len(x", params, use_tqdm=False)[0].outputs:
+        ids = completion.token_ids
+        closing = next(i for i in range(len(ids)) if ")" in tokenizer.decode(ids[: i + 1]))
+        free = tokenizer.decode(ids[: closing + 1])
+        assert not any(choice.startswith(free) for choice in CHOICES), "free text comes first"
+        assert tokenizer.decode(ids[closing + 1 :]) in CHOICES
+        assert completion.finish_reason == "stop"
+    closed = SamplingParams(temperature=1.0, seed=2, max_tokens=20, structured_outputs=StructuredOutputsParams(
+        choice=CHOICES, reasoning_markers=("<think>", "</think>")))
+    reply = code_llm.generate("<think>\n\n</think>\n\n", closed, use_tqdm=False)[0].outputs[0]
+    assert reply.text in CHOICES, "a prompt that closed the block starts the grammar at once"
