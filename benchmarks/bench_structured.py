@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_e2e import DTYPES, engine_config, free_memory, random_prompts, sync_fn, timed_windows  # noqa: E402
 from shapes import SIZES, model_config, random_model  # noqa: E402
 
+from replayserve.build import assemble_engine  # noqa: E402
 from replayserve.builtin.tiny import SPECIAL_TOKENS  # noqa: E402
-from replayserve.engine.engine import Engine  # noqa: E402
 from replayserve.engine.grammars import Grammars  # noqa: E402
 from replayserve.engine.request import Status  # noqa: E402
 from replayserve.models.nemotron_h import NemotronHForCausalLM  # noqa: E402
@@ -117,7 +117,7 @@ def decode_rate(model: NemotronHForCausalLM, tokenizer: OurTokenizer, args: argp
     sync = sync_fn(device)
     total = args.warmup + args.repeats * args.steps + 2
     config = engine_config(model, args, args.backend, batch, args.prompt_len + total + batch + 8)
-    engine = Engine(config, model, tokenizer)
+    engine = assemble_engine(config, model, tokenizer)
     fill_s = [0.0]
     fill = Grammars._fill
 

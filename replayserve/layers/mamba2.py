@@ -48,7 +48,9 @@ class Mamba2Mixer(nn.Module):
         """The state update's view of the weights. A = -exp(A_log) and the casts are computed once
         and kept until a weight changes (a new tensor or an in-place write bumps its version): per
         step they would be a few kernels in every Mamba layer."""
-        cdt = compute_dtype(self.norm.weight.dtype)  # not in_proj's: an FP8 checkpoint stores it in float8
+        # conv1d, not in_proj (float8 in an FP8 checkpoint) or the norm (Falcon-H1 may have none): it is
+        # never quantized and every family has it.
+        cdt = compute_dtype(self.conv1d.weight.dtype)
         key = (cdt,) + tuple((id(t), t._version, t.data_ptr()) for t in (self.A_log, self.D, self.dt_bias))
         if getattr(self, "_derived_key", None) != key:
             with torch.no_grad():

@@ -4,6 +4,7 @@ checks of a quantized checkpoint's tensors, each error naming the key or the ten
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from replayserve.models.quantization import (
     parse_quant_config,
     read_quant_config,
 )
+from replayserve.models.quantization import logger as quantization_logger
 from replayserve.ops.fp8 import FP8_DTYPE
 
 FP8_FILE = {"producer": {"name": "modelopt", "version": "0.47.0"},
@@ -103,7 +105,12 @@ def test_exclude_patterns_follow_modelopt_and_vllm() -> None:
     assert not in_memory.is_excluded("backbone.layers.3.mixer.up_proj")
 
 
-def test_modelopts_mangled_sentinel_is_cut_off(caplog: pytest.LogCaptureFixture) -> None:
+def test_modelopts_mangled_sentinel_is_cut_off(caplog: pytest.LogCaptureFixture,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # The module's own level and switch, so that what earlier tests did to the root logger (in the
+    # full suite something raised its level) cannot hide the warning.
+    caplog.set_level(logging.WARNING, logger=quantization_logger.name)
+    monkeypatch.setattr(quantization_logger, "disabled", False)
     raw = {"quantization": {"quant_algo": "FP8", "exclude_modules": [
         "lm_head.\x00backbone.pt_name_sentinel", "backbone.layers.4.mixer.gate.\x00backbone.pt_name_sentinel",
         "backbone.layers.1.mixer*"]}}
