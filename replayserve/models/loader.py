@@ -7,8 +7,9 @@ import json
 import logging
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
+from typing import Any, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -29,6 +30,7 @@ _PREFIXES = (("model.", "backbone."),)
 # In-memory fused expert tensors (E, out, in), as transformers 5 holds them.
 _FUSED_EXPERTS = re.compile(r"(.*\.mixer\.experts)\.(up_proj|down_proj)$")
 # Multi-token-prediction layers: loaded when the config declares them, else skipped.
+T = TypeVar("T")
 _MTP = re.compile(r"^mtp\.")
 _LM_HEAD = "lm_head.weight"
 # safetensors' dtype names, for reading a tensor's dtype from the header without its data.
@@ -71,53 +73,51 @@ def _canonical_name(name: str) -> str:
     return name
 
 
+def _walk(files: list[Path], with_mtp: bool, read: Callable[[Any, str], T]) -> Iterator[tuple[Path, str, T]]:
+    """Yields (file, tensor name as this engine names it, read(handle, stored name)) for every stored
+    tensor (`mtp.*` only when `with_mtp`). The one walk over the files: a safetensors error,
+    in `read` too, becomes a CheckpointError naming the file."""
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for raw_name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    if with_mtp or not _MTP.match(raw_name):
+                        yield path, _canonical_name(raw_name), read(f, raw_name)
+        except SafetensorError as e:
+            raise CheckpointError(f"{path} is not a valid safetensors file: {e}") from e
+
+
 def iter_checkpoint(files: list[Path], with_mtp: bool = False) -> Iterator[tuple[Path, str, torch.Tensor]]:
     """Yields (file, parameter name as this engine names it, tensor) for every stored tensor
     (`mtp.*` only when `with_mtp`). A name stored twice, in one spelling or the other, is an error:
     which copy won would depend on file order."""
     stored_in: dict[str, Path] = {}
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for raw_name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    if not with_mtp and _MTP.match(raw_name):
-                        continue
-                    name = _canonical_name(raw_name)
-                    if name in stored_in:
-                        raise CheckpointError(f"tensor {name} is stored twice, in {stored_in[name]} and {path}; "
-                                              "a checkpoint holds each tensor once")
-                    stored_in[name] = path
-                    tensor = f.get_tensor(raw_name)
-                    fused = _FUSED_EXPERTS.match(name)
-                    if fused:
-                        for e, expert in enumerate(tensor):
-                            yield path, f"{fused.group(1)}.{e}.{fused.group(2)}.weight", expert
-                    else:
-                        yield path, name, tensor
-        except SafetensorError as e:
-            raise CheckpointError(f"{path} is not a valid safetensors file: {e}") from e
+    for path, name, tensor in _walk(files, with_mtp, lambda f, raw_name: f.get_tensor(raw_name)):
+        if name in stored_in:
+            raise CheckpointError(f"tensor {name} is stored twice, in {stored_in[name]} and {path}; "
+                                  "a checkpoint holds each tensor once")
+        stored_in[name] = path
+        fused = _FUSED_EXPERTS.match(name)
+        if fused:
+            for e, expert in enumerate(tensor):
+                yield path, f"{fused.group(1)}.{e}.{fused.group(2)}.weight", expert
+        else:
+            yield path, name, tensor
+
+
+def _header_entry(f: Any, raw_name: str) -> torch.Tensor:
+    """A meta tensor of the stored tensor's dtype and shape; a tensor of at most one value is read."""
+    part = f.get_slice(raw_name)
+    shape = part.get_shape()
+    if math.prod(shape) <= 1:
+        return f.get_tensor(raw_name)
+    return torch.empty(shape, dtype=_HEADER_DTYPES.get(part.get_dtype(), torch.uint8), device="meta")
 
 
 def checkpoint_header(files: list[Path], with_mtp: bool = False) -> dict[str, torch.Tensor]:
     """Every stored tensor as this engine names it -> a meta tensor of its dtype and shape, except
     tensors of at most one value (the FP8 scales), which are read. Reads headers and scales only."""
-    header: dict[str, torch.Tensor] = {}
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for raw_name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    if not with_mtp and _MTP.match(raw_name):
-                        continue
-                    part = f.get_slice(raw_name)
-                    shape = part.get_shape()
-                    if math.prod(shape) <= 1:
-                        header[_canonical_name(raw_name)] = f.get_tensor(raw_name)
-                    else:
-                        dtype = _HEADER_DTYPES.get(part.get_dtype(), torch.uint8)
-                        header[_canonical_name(raw_name)] = torch.empty(shape, dtype=dtype, device="meta")
-        except SafetensorError as e:
-            raise CheckpointError(f"{path} is not a valid safetensors file: {e}") from e
-    return header
+    return {name: entry for _, name, entry in _walk(files, with_mtp, _header_entry)}
 
 
 def _all_finite(t: torch.Tensor) -> bool:
@@ -126,15 +126,8 @@ def _all_finite(t: torch.Tensor) -> bool:
 
 
 def _file_holding(files: list[Path], name: str) -> Path | None:
-    """The file that stores tensor `name` (reads headers only), or None."""
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                if name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    return path
-        except SafetensorError as e:
-            raise CheckpointError(f"{path} is not a valid safetensors file: {e}") from e
-    return None
+    """The file that stores tensor `name` as this engine names it (reads headers only), or None."""
+    return next((path for path, stored, _ in _walk(files, True, lambda f, raw_name: None) if stored == name), None)
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, rank: int = 0,
