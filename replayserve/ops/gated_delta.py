@@ -59,13 +59,9 @@ def gated_delta_recurrent_ref(
         o (B, T, Hv, V) in v's dtype, and the final state (B, Hv, K, V) in the compute dtype
         (float32 for half-precision inputs, else the input dtype: float64 stays float64).
     """
-    out_dtype, cdt = v.dtype, compute_dtype(v.dtype)
-    hv, dk = v.shape[-2], k.shape[-1]
-    q, k = (expand_key_heads(t, hv).to(cdt) for t in (q, k))
-    v, g, beta = v.to(cdt), g.to(cdt), beta.to(cdt)
-    if use_qk_l2norm:
-        q, k = l2norm_ref(q), l2norm_ref(k)
-    q = q * (dk ** -0.5 if scale is None else scale)
+    out_dtype, (hv, dk) = v.dtype, (v.shape[-2], k.shape[-1])
+    q, k, v, g, beta = _prepare_qkv(q, k, v, g, beta, scale, use_qk_l2norm)
+    cdt = v.dtype
     b, t_len = v.shape[:2]
     state = (torch.zeros(b, hv, dk, v.shape[-1], dtype=cdt, device=v.device) if initial_state is None
              else initial_state.to(cdt).clone())
@@ -77,3 +73,126 @@ def gated_delta_recurrent_ref(
         state = state + k[:, t][..., :, None] * delta[..., None, :]
         out[:, t] = torch.einsum("bhkv,bhk->bhv", state, q[:, t])
     return out.to(out_dtype), state
+
+
+def _prepare_qkv(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None,
+                 use_qk_l2norm: bool) -> tuple[Tensor, ...]:
+    """Inputs of any leading shape (..., H, D) -> the compute dtype, key heads expanded, q/k
+    normalized (if asked) and q scaled: the form every reference runs the rule on."""
+    cdt = compute_dtype(v.dtype)
+    hv, dk = v.shape[-2], k.shape[-1]
+    q, k = (expand_key_heads(t, hv).to(cdt) for t in (q, k))
+    if use_qk_l2norm:
+        q, k = l2norm_ref(q), l2norm_ref(k)
+    return q * (dk ** -0.5 if scale is None else scale), k, v.to(cdt), g.to(cdt), beta.to(cdt)
+
+
+def wy_chunk_ref(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> tuple[Tensor, Tensor]:
+    """L tokens of the gated delta rule at once, in the WY (UT-transform) form; all heads.
+
+    Arguments (one dtype, already prepared: key heads expanded, q/k normalized, q scaled):
+        state: (H, K, V) the state before the chunk.
+        q, k: (L, H, K); v: (L, H, V); g, beta: (L, H).
+
+    With G_i = g_0 + ... + g_i and the intra-chunk decays D_ij = exp(G_i - G_j) (j <= i), each
+    token's correction delta_i = beta_i (v_i - (decayed state before i)^T k_i) solves the unit
+    lower-triangular system (I + A) delta = U - W S with A_ij = beta_i D_ij k_i.k_j (j < i),
+    U = beta v, W = beta exp(G) k: the state S enters only through W S. Then
+        o_i   = exp(G_i) S^T q_i + sum_{j<=i} D_ij (q_i.k_j) delta_j
+        S_out = exp(G_L) S + sum_j exp(G_L - G_j) k_j delta_j^T.
+    Exponents are differences G_i - G_j <= 0, masked to -inf above the diagonal before exp.
+
+    Returns:
+        o (L, H, V) and the state after the chunk (H, K, V), in the inputs' dtype.
+    """
+    length = g.shape[0]
+    cum = torch.cumsum(g, dim=0).T  # (H, L)
+    lower = torch.ones(length, length, dtype=torch.bool, device=g.device).tril()
+    decay = torch.exp((cum[:, :, None] - cum[:, None, :]).masked_fill(~lower, float("-inf")))  # (H, i, j)
+    kh, qh, vh, bh = k.transpose(0, 1), q.transpose(0, 1), v.transpose(0, 1), beta.T  # heads first
+    a = (bh[:, :, None] * decay * (kh @ kh.transpose(1, 2))).tril(-1)
+    system = a + torch.eye(length, dtype=a.dtype, device=a.device)
+    rhs = torch.cat([bh[..., None] * vh, (bh * cum.exp())[..., None] * kh], dim=-1)
+    uw = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    delta = uw[..., : vh.shape[-1]] - uw[..., vh.shape[-1]:] @ state  # (H, L, V)
+    o = cum.exp()[..., None] * (qh @ state) + (decay * (qh @ kh.transpose(1, 2))) @ delta
+    to_end = torch.exp(cum[:, -1:] - cum)[..., None] * kh  # (H, L, K)
+    final = cum[:, -1].exp()[:, None, None] * state + to_end.transpose(1, 2) @ delta
+    return o.transpose(0, 1), final
+
+
+def _check_varlen(cu_seqlens: Tensor, total: int) -> list[int]:
+    bounds = cu_seqlens.tolist()
+    if cu_seqlens.dim() != 1 or len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != total:
+        raise ValueError(f"cu_seqlens must be (N+1,) from 0 to the {total} packed tokens, got {bounds}")
+    if any(hi <= lo for lo, hi in zip(bounds, bounds[1:], strict=False)):
+        raise ValueError(f"every sequence needs at least one token, got cu_seqlens {bounds}")
+    return bounds
+
+
+def gated_delta_chunk_ref(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    cu_seqlens: Tensor,
+    initial_state: Tensor | None = None,
+    state_indices: Tensor | None = None,
+    chunk_size: int = 64,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    capture_seqs: Tensor | None = None,
+    capture_lens: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Chunked prefill of N packed sequences (varlen), with boundary captures.
+
+    Arguments:
+        q, k: (T, Hk, K); v: (T, Hv, V); g, beta: (T, Hv); sequence n holds the packed rows
+            cu_seqlens[n]:cu_seqlens[n+1].
+        cu_seqlens: (N+1,) int64 from 0 to T, every sequence at least one token.
+        initial_state: (N, Hv, K, V), or with ``state_indices`` a pool (S, Hv, K, V) read at rows
+            state_indices (N,) (the pool is only read: the caller stores the final states), or None (zeros).
+        chunk_size: tokens per chunk of the WY form.
+        scale, use_qk_l2norm: as in ``gated_delta_recurrent_ref``.
+        capture_seqs, capture_lens: (C,) int: capture c is the state after the first
+            capture_lens[c] tokens (0 .. length) of sequence capture_seqs[c], for prefix caching.
+            Chunks are cut at each capture, so a capture is a chunk's final state, never a replay.
+
+    Returns:
+        o (T, Hv, V) in v's dtype; final states (N, Hv, K, V) and captures (C, Hv, K, V) (C = 0
+        when none are asked) in the compute dtype.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    bounds = _check_varlen(cu_seqlens, v.shape[0])
+    num_seqs, (hv, dv), dk = len(bounds) - 1, v.shape[1:], k.shape[-1]
+    qc, kc, vc, gc, bc = _prepare_qkv(q, k, v, g, beta, scale, use_qk_l2norm)
+    cdt = vc.dtype
+    if initial_state is None:
+        starts = torch.zeros(num_seqs, hv, dk, dv, dtype=cdt, device=v.device)
+    elif state_indices is None:
+        starts = initial_state.to(cdt)
+    else:
+        starts = initial_state[state_indices.long()].to(cdt)
+    if starts.shape != (num_seqs, hv, dk, dv):
+        raise ValueError(f"initial states must be ({num_seqs}, {hv}, {dk}, {dv}), got {tuple(starts.shape)}")
+    wanted = list(zip([] if capture_seqs is None else capture_seqs.tolist(),
+                      [] if capture_lens is None else capture_lens.tolist(), strict=True))
+    for seq, at in wanted:
+        if not (0 <= seq < num_seqs and 0 <= at <= bounds[seq + 1] - bounds[seq]):
+            raise ValueError(f"capture (sequence {seq}, after {at} tokens) is outside the batch's sequences")
+    o = torch.empty_like(vc)
+    finals, states_at = [], {}
+    for n in range(num_seqs):
+        lo, hi = bounds[n], bounds[n + 1]
+        cuts = sorted({*range(0, hi - lo, chunk_size), hi - lo, *(at for seq, at in wanted if seq == n)})
+        state = starts[n]
+        states_at[n, 0] = state
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            o[lo + a: lo + b], state = wy_chunk_ref(state, *(t[lo + a: lo + b] for t in (qc, kc, vc, gc, bc)))
+            states_at[n, b] = state
+        finals.append(state)
+    captured = (torch.stack([states_at[key] for key in wanted]) if wanted
+                else torch.empty(0, hv, dk, dv, dtype=cdt, device=v.device))
+    return o.to(v.dtype), torch.stack(finals), captured
