@@ -11,6 +11,11 @@ so S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T: an affine r
 transition is a scaled rank-1 update of the identity. Value heads may outnumber key heads (GQA
 style): each key/query head serves ``Hv // Hk`` consecutive value heads, as in Hugging Face's
 Qwen3-Next and flash-linear-attention.
+
+Forms: ``gated_delta_recurrent_ref`` (token by token: the definition), ``gated_delta_chunk_ref``
+(packed varlen prefill in the WY form, with boundary captures), ``gated_delta_step`` (the decode
+step on a state pool, in place) and ``gated_delta_verify`` (T tokens per row, the pool untouched,
+the state after every token kept for the commit); their kernels are in ``gated_delta_triton``.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from replayserve.ops.dispatch import use_triton
 from replayserve.ops.dtypes import compute_dtype
 
 
@@ -196,3 +202,96 @@ def gated_delta_chunk_ref(
     captured = (torch.stack([states_at[key] for key in wanted]) if wanted
                 else torch.empty(0, hv, dk, dv, dtype=cdt, device=v.device))
     return o.to(v.dtype), torch.stack(finals), captured
+
+
+def _pool_rows(state: Tensor, batch: int, state_indices: Tensor | None) -> list[tuple[int, int]]:
+    """(row, slot) of every real row of a step on the pool `state`; -1 marks a padded row."""
+    if state_indices is None:
+        if state.shape[0] != batch:
+            raise ValueError(f"state_indices=None needs S == B, got S={state.shape[0]}, B={batch}")
+        return [(row, row) for row in range(batch)]
+    if state_indices.shape != (batch,):
+        raise ValueError(f"state_indices must be ({batch},), got {tuple(state_indices.shape)}")
+    rows = [(row, s) for row, s in enumerate(state_indices.tolist()) if s != -1]
+    real = [s for _, s in rows]
+    if any(not 0 <= s < state.shape[0] for s in real) or len(set(real)) != len(real):
+        raise ValueError(f"state_indices must be distinct slots in [0, {state.shape[0]}) or -1, got {real}")
+    return rows
+
+
+def gated_delta_verify_ref(
+    state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    state_indices: Tensor | None = None, out_states: Tensor | None = None,
+    scale: float | None = None, use_qk_l2norm: bool = False,
+) -> Tensor:
+    """T tokens per row from the pool's states; the pool is only read.
+
+    Arguments:
+        state: (S, Hv, K, V) state pool; row state_indices[b] is row b's state before its tokens.
+        q, k: (B, T, Hk, K); v: (B, T, Hv, V); g, beta: (B, T, Hv).
+        state_indices: (B,) int64 distinct slots, -1 = padded row (output zeros, nothing written),
+            or None for arange(B) with S == B.
+        out_states: (B, T, Hv, K, V) or None: if given, out_states[b, t] is set IN PLACE (in its
+            dtype) to the state after token t of row b, so that keeping a tokens is the copy of
+            out_states[b, a - 1] into the pool (``copy_rows``), as the Mamba2 baseline's spec_states.
+        scale, use_qk_l2norm: as in ``gated_delta_recurrent_ref``.
+
+    Returns:
+        o: (B, T, Hv, V) in v's dtype, computed in compute_dtype(v.dtype).
+    """
+    o = torch.zeros_like(v)
+    for row, slot in _pool_rows(state, v.shape[0], state_indices):
+        current = state[slot : slot + 1]
+        for t in range(v.shape[1]):
+            out, current = gated_delta_recurrent_ref(*(x[row : row + 1, t : t + 1] for x in (q, k, v, g, beta)),
+                                                     current, scale, use_qk_l2norm)
+            o[row, t] = out[0, 0]
+            if out_states is not None:
+                out_states[row, t] = current[0].to(out_states.dtype)
+    return o
+
+
+def gated_delta_step_ref(
+    state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    state_indices: Tensor | None = None, scale: float | None = None, use_qk_l2norm: bool = False,
+) -> Tensor:
+    """One decode token per row; the pool rows state_indices are updated IN PLACE.
+
+    Arguments:
+        state: (S, Hv, K, V) state pool, written back in its dtype; other rows untouched.
+        q, k: (B, Hk, K); v: (B, Hv, V); g, beta: (B, Hv).
+        state_indices: (B,) int64 distinct slots, -1 = padded row (output zeros, state untouched),
+            or None for arange(B) with S == B.
+        scale, use_qk_l2norm: as in ``gated_delta_recurrent_ref``.
+
+    Returns:
+        o: (B, Hv, V) in v's dtype, computed in compute_dtype(v.dtype).
+    """
+    after = torch.empty(v.shape[0], 1, *state.shape[1:], dtype=state.dtype, device=state.device)
+    o = gated_delta_verify_ref(state, *(x[:, None] for x in (q, k, v, g, beta)), state_indices, after,
+                               scale, use_qk_l2norm)
+    for row, slot in _pool_rows(state, v.shape[0], state_indices):
+        state[slot] = after[row, 0]
+    return o[:, 0]
+
+
+def gated_delta_step(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                     state_indices: Tensor | None = None, scale: float | None = None,
+                     use_qk_l2norm: bool = False) -> Tensor:
+    """``gated_delta_step_ref``, by its kernel where it serves the pool `state`."""
+    if use_triton(state, None):
+        from replayserve.ops.gated_delta_triton import gated_delta_step_triton
+
+        return gated_delta_step_triton(state, q, k, v, g, beta, state_indices, scale, use_qk_l2norm)
+    return gated_delta_step_ref(state, q, k, v, g, beta, state_indices, scale, use_qk_l2norm)
+
+
+def gated_delta_verify(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                       state_indices: Tensor | None = None, out_states: Tensor | None = None,
+                       scale: float | None = None, use_qk_l2norm: bool = False) -> Tensor:
+    """``gated_delta_verify_ref``, by its kernel where it serves the pool `state`."""
+    if use_triton(state, None):
+        from replayserve.ops.gated_delta_triton import gated_delta_verify_triton
+
+        return gated_delta_verify_triton(state, q, k, v, g, beta, state_indices, out_states, scale, use_qk_l2norm)
+    return gated_delta_verify_ref(state, q, k, v, g, beta, state_indices, out_states, scale, use_qk_l2norm)
