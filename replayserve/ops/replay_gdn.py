@@ -193,6 +193,7 @@ def replay_gdn_step(
     scale: float | None = None, use_qk_l2norm: bool = False, pad_slot: int | None = None,
 ) -> Tensor:
     """``replay_gdn_step_ref``, by ``replay_gdn_step_triton`` (read kernel, then flush) where it serves the pool."""
+    _check_rings(state, k_ring, v_ring, g_ring, beta_ring)
     if use_triton(state, None):
         from replayserve.ops.replay_gdn_triton import replay_gdn_step_triton
 
@@ -206,6 +207,7 @@ def replay_gdn_materialize(state: Tensor, k_ring: Tensor, v_ring: Tensor, g_ring
                            src: Tensor, dst: Tensor, ring_start: Tensor, n: Tensor,
                            use_qk_l2norm: bool = False) -> None:
     """``replay_gdn_materialize_ref``, by its kernel where it serves the pool."""
+    _check_rings(state, k_ring, v_ring, g_ring, beta_ring)
     if use_triton(state, None):
         from replayserve.ops.replay_gdn_triton import replay_gdn_materialize_triton
 
