@@ -136,6 +136,29 @@ def _check_varlen(cu_seqlens: Tensor, total: int) -> list[int]:
     return bounds
 
 
+def _varlen_inputs(k: Tensor, v: Tensor, cu_seqlens: Tensor, initial_state: Tensor | None,
+                   state_indices: Tensor | None, capture_seqs: Tensor | None, capture_lens: Tensor | None,
+                   cdt: torch.dtype) -> tuple[list[int], Tensor, list[tuple[int, int]]]:
+    """Checked arguments of a varlen prefill: bounds (host list), initial states (N, Hv, K, V) in cdt,
+    and the captures as (sequence, tokens) pairs."""
+    bounds = _check_varlen(cu_seqlens, v.shape[0])
+    num_seqs, (hv, dv), dk = len(bounds) - 1, v.shape[1:], k.shape[-1]
+    if initial_state is None:
+        starts = torch.zeros(num_seqs, hv, dk, dv, dtype=cdt, device=v.device)
+    elif state_indices is None:
+        starts = initial_state.to(cdt)
+    else:
+        starts = initial_state[state_indices.long()].to(cdt)
+    if starts.shape != (num_seqs, hv, dk, dv):
+        raise ValueError(f"initial states must be ({num_seqs}, {hv}, {dk}, {dv}), got {tuple(starts.shape)}")
+    wanted = list(zip([] if capture_seqs is None else capture_seqs.tolist(),
+                      [] if capture_lens is None else capture_lens.tolist(), strict=True))
+    for seq, at in wanted:
+        if not (0 <= seq < num_seqs and 0 <= at <= bounds[seq + 1] - bounds[seq]):
+            raise ValueError(f"capture (sequence {seq}, after {at} tokens) is outside the batch's sequences")
+    return bounds, starts, wanted
+
+
 def gated_delta_chunk_ref(
     q: Tensor,
     k: Tensor,
@@ -171,26 +194,13 @@ def gated_delta_chunk_ref(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    bounds = _check_varlen(cu_seqlens, v.shape[0])
-    num_seqs, (hv, dv), dk = len(bounds) - 1, v.shape[1:], k.shape[-1]
     qc, kc, vc, gc, bc = _prepare_qkv(q, k, v, g, beta, scale, use_qk_l2norm)
-    cdt = vc.dtype
-    if initial_state is None:
-        starts = torch.zeros(num_seqs, hv, dk, dv, dtype=cdt, device=v.device)
-    elif state_indices is None:
-        starts = initial_state.to(cdt)
-    else:
-        starts = initial_state[state_indices.long()].to(cdt)
-    if starts.shape != (num_seqs, hv, dk, dv):
-        raise ValueError(f"initial states must be ({num_seqs}, {hv}, {dk}, {dv}), got {tuple(starts.shape)}")
-    wanted = list(zip([] if capture_seqs is None else capture_seqs.tolist(),
-                      [] if capture_lens is None else capture_lens.tolist(), strict=True))
-    for seq, at in wanted:
-        if not (0 <= seq < num_seqs and 0 <= at <= bounds[seq + 1] - bounds[seq]):
-            raise ValueError(f"capture (sequence {seq}, after {at} tokens) is outside the batch's sequences")
+    cdt, (hv, dv), dk = vc.dtype, v.shape[1:], k.shape[-1]
+    bounds, starts, wanted = _varlen_inputs(k, v, cu_seqlens, initial_state, state_indices, capture_seqs,
+                                            capture_lens, cdt)
     o = torch.empty_like(vc)
     finals, states_at = [], {}
-    for n in range(num_seqs):
+    for n in range(len(bounds) - 1):
         lo, hi = bounds[n], bounds[n + 1]
         cuts = sorted({*range(0, hi - lo, chunk_size), hi - lo, *(at for seq, at in wanted if seq == n)})
         state = starts[n]
@@ -295,3 +305,25 @@ def gated_delta_verify(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor
 
         return gated_delta_verify_triton(state, q, k, v, g, beta, state_indices, out_states, scale, use_qk_l2norm)
     return gated_delta_verify_ref(state, q, k, v, g, beta, state_indices, out_states, scale, use_qk_l2norm)
+
+
+def chunk_gated_delta(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor,
+    initial_state: Tensor | None = None, state_indices: Tensor | None = None, chunk_size: int = 64,
+    scale: float | None = None, use_qk_l2norm: bool = False,
+    capture_seqs: Tensor | None = None, capture_lens: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``gated_delta_chunk_ref`` (same arguments, shapes and returns), by flash-linear-attention's
+    ``chunk_gated_delta_rule`` where it serves: inputs on CUDA in a kernel dtype and fla-core installed
+    (``gated_delta_fla``: states in fp32, chunk_size 16, 32 or 64, captures by cuts). fla's autotuned
+    kernels need a GPU, so ``force_triton`` does not send a CPU call there."""
+    if v.is_cuda and use_triton(v):
+        from replayserve.ops.gated_delta_fla import chunk_by_segments, fla_chunk_rule, fla_runner
+
+        if fla_chunk_rule() is not None:
+            bounds, starts, wanted = _varlen_inputs(k, v, cu_seqlens, initial_state, state_indices, capture_seqs,
+                                                    capture_lens, torch.float32)
+            return chunk_by_segments(fla_runner(scale, use_qk_l2norm, chunk_size), q, k, v, g, beta, bounds, starts,
+                                     wanted)
+    return gated_delta_chunk_ref(q, k, v, g, beta, cu_seqlens, initial_state, state_indices, chunk_size, scale,
+                                 use_qk_l2norm, capture_seqs, capture_lens)
