@@ -24,7 +24,7 @@ def _pool(gen, slots, hk, hv, dk, dv, ring_len):
             randn(slots, hv, ring_len), randn(slots, hv, ring_len)]
 
 
-def _drive(shape, window, t, steps, l2norm, seed=0):
+def _drive(shape, window, t, steps, l2norm, seed=0, v_groups=None):
     hk, hv, dk, dv = shape
     gen = torch.Generator().manual_seed(seed)
     live, free, ring_len = 3, 2, window + t
@@ -47,7 +47,7 @@ def _drive(shape, window, t, steps, l2norm, seed=0):
         slots, n = slots.to(DEVICE), n.to(DEVICE)
         replay_prepare_ref(*cursors, slots, n, torch.zeros(live, dtype=torch.bool, device=DEVICE), window)
         flushes += int(cursors[2][slots[slots >= 0]].sum())
-        o = tk.replay_gdn_step_triton(*pool, *cursors, slots, n, *inputs, use_qk_l2norm=l2norm)
+        o = tk.replay_gdn_step_triton(*pool, *cursors, slots, n, *inputs, use_qk_l2norm=l2norm, v_groups=v_groups)
         o64 = ref.replay_gdn_step_ref(*pool64, *cursors, slots, n, *(x.double() for x in inputs), use_qk_l2norm=l2norm)
         torch.testing.assert_close(o.double(), o64, rtol=TOL[0], atol=TOL[1])
         for x, x64 in zip(pool, pool64, strict=True):
@@ -60,7 +60,7 @@ def _drive(shape, window, t, steps, l2norm, seed=0):
             count = torch.stack([torch.randint(0, int(cursors[1][src[0]]) + 1, (1,), generator=gen)[0].to(DEVICE),
                                  cursors[1][src[1]].long()]).to(torch.int32)
             start = cursors[0][src].clone()
-            tk.replay_gdn_materialize_triton(*pool, src, dst, start, count, use_qk_l2norm=l2norm)
+            tk.replay_gdn_materialize_triton(*pool, src, dst, start, count, use_qk_l2norm=l2norm, v_groups=v_groups)
             ref.replay_gdn_materialize_ref(*pool64, src, dst, start, count, use_qk_l2norm=l2norm)
             torch.testing.assert_close(pool[0].double(), pool64[0], rtol=TOL[0], atol=TOL[1])
             cursors[1][src[1]] = 0  # the in-place fold consumed that slot's history
@@ -77,5 +77,34 @@ def test_step_and_materialize_match_the_reference(shape, window, t, l2norm):
     assert _drive(shape, window, t, steps=2 * window + 4, l2norm=l2norm) > 0
 
 
-def test_head_dim_128():
-    assert _drive((1, 1, 128, 128), 4, 2, steps=8, l2norm=True, seed=1) > 0
+@pytest.mark.parametrize("v_groups", [1, 2, None])  # 4 V tiles of 32: one program per (row, head), 2, 4
+def test_head_dim_128(v_groups):
+    assert _drive((1, 1, 128, 128), 4, 2, steps=8, l2norm=True, seed=1, v_groups=v_groups) > 0
+
+
+def test_entry_points_take_the_kernels_under_force_triton():
+    """The entry points check the pool, then run the kernels (force_triton) or the references, which
+    skip the pad slot's rows where the kernels run them on the pad slot."""
+    from replayserve.ops.dispatch import force_triton
+
+    gen = torch.Generator().manual_seed(4)
+    pool = _pool(gen, 3, 1, 2, 16, 16, 5)
+    ref_pool = [x.clone() for x in pool]
+    cursors = [torch.tensor([0, 2, 0], dtype=torch.int32, device=DEVICE), torch.tensor([2, 1, 0], dtype=torch.int32,
+               device=DEVICE), torch.tensor([False, False, False], device=DEVICE)]
+    slots, n = torch.tensor([1, 0, 2], device=DEVICE), torch.tensor([1, 1, 1], device=DEVICE)
+    q, k = (torch.randn(3, 1, 1, 16, generator=gen).to(DEVICE) for _ in range(2))
+    v, g, beta = torch.randn(3, 1, 2, 16, generator=gen), -torch.rand(3, 1, 2, generator=gen), torch.rand(3, 1, 2)
+    inputs = [q, k, v.to(DEVICE), g.to(DEVICE), beta.to(DEVICE)]
+    with force_triton():
+        o = ref.replay_gdn_step(*pool, *cursors, slots, n, *inputs, use_qk_l2norm=True, pad_slot=2)
+    o_ref = ref.replay_gdn_step(*ref_pool, *cursors, slots, n, *inputs, use_qk_l2norm=True, pad_slot=2)
+    torch.testing.assert_close(o[:2], o_ref[:2], rtol=1e-5, atol=1e-5)
+    assert not o_ref[2].any(), "the reference skips the pad slot's row"
+    args = (torch.tensor([0], device=DEVICE), torch.tensor([2], device=DEVICE), cursors[0][:1], cursors[1][:1])
+    with force_triton():
+        ref.replay_gdn_materialize(*pool, *args, use_qk_l2norm=True)
+    ref.replay_gdn_materialize(*ref_pool, *args, use_qk_l2norm=True)
+    torch.testing.assert_close(pool[0][2], ref_pool[0][2], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="ring shapes"):
+        ref.replay_gdn_step(pool[0], pool[1][:, :, :4], *pool[2:], *cursors, slots, n, *inputs)
