@@ -3,9 +3,9 @@
 
 Both kernels run one program per (value head, row) and group of V columns, and build the WY form
 of the row's E = history (+ new) ring entries once, in registers: the decays D_ij = exp(G_i - G_j),
-the unit lower-triangular system I + A (A_ij = beta_i D_ij k_i.k_j, j < i), its inverse by the
-product (I + X)(I + X^2)(I + X^4)... with X = -A (exact: X is nilpotent, X^E = 0) and
-W = inv (beta exp(G) k). They then walk the program's V tiles: U = inv (beta v) per tile.
+the unit lower-triangular system I + A (A_ij = beta_i D_ij k_i.k_j, j < i), its inverse by
+forward substitution over the live entries, and W = inv (beta exp(G) k). They then walk the
+program's V tiles: U = inv (beta v) per tile.
 
 - The read kernel folds the checkpoint into each new token's query instead of into a state:
   o_i = S0^T q~_i + P_i U with q~_i = exp(G_i) q_i - P_i W and P_ij = D_ij q_i.k_j (j <= i). S0
@@ -16,9 +16,10 @@ W = inv (beta exp(G) k). They then walk the program's V tiles: U = inv (beta v) 
 - The fold kernel writes S1 = exp(G_last) S0 + K^T diag(exp(G_last - G_j)) (U - W S0): the flush
   (rows whose `is_flush` is set, entries 0..history-1, in place) and materialization (src -> dst).
 
-The E x E work (about E^2 (K + V) + 2 log2(E) E^3 multiply-adds per row and head, E padded to a
-power of two) is what a replayed read adds to the baseline's 4 K V per token; a group of V columns
-per program repeats it, so the launch takes one group (all of V) when rows x heads fill the GPU.
+The E x E work (about E^2 (K + V) multiply-adds in products and E^3 in the substitution per row
+and head, E padded to a power of two) is what a replayed read adds to the baseline's 4 K V per
+token; a group of V columns per program repeats it, so the launch takes one group (all of V)
+when rows x heads fill the GPU.
 Products run in ``PRECISION`` (``tf32x3`` by default: three TF32 products, close to fp32, as the
 Mamba2 flush); the launch configuration is not tuned on a GPU yet.
 """
@@ -56,16 +57,21 @@ def _scalars(ring_ptr, in_ptr, offs_e, m, n, start, ring_len, s_r_e, s_in_e):
 
 
 @triton.jit
-def _wy(k, g, beta, offs_e, LOG2_E: tl.constexpr, PRECISION: tl.constexpr):
-    """Cumulative log decays G (E,), inv = (I + A)^-1 (E, E) and W = inv (beta exp(G) k) (E, K)."""
+def _wy(k, g, beta, offs_e, live, PRECISION: tl.constexpr):
+    """Cumulative log decays G (E,), inv = (I + A)^-1 (E, E) and W = inv (beta exp(G) k) (E, K);
+    entries at and past `live` are zero (identity rows of inv)."""
     cum = tl.cumsum(g, 0)
-    strict = offs_e[None, :] < offs_e[:, None]
+    rows = offs_e[:, None]
+    strict = offs_e[None, :] < rows
     decay = tl.where(strict, tl.exp(tl.where(strict, cum[:, None] - cum[None, :], 0.0)), 0.0)
-    x = -tl.where(strict, beta[:, None] * decay * tl.dot(k, tl.trans(k), input_precision=PRECISION), 0.0)
-    inv = tl.where(offs_e[:, None] == offs_e[None, :], 1.0, 0.0) + x
-    for _ in tl.static_range(LOG2_E - 1):
-        x = tl.dot(x, x, input_precision=PRECISION)
-        inv = inv + tl.dot(inv, x, input_precision=PRECISION)
+    a = tl.where(strict, beta[:, None] * decay * tl.dot(k, tl.trans(k), input_precision=PRECISION), 0.0)
+    # Forward substitution, one row at a time: row i of the inverse is e_i - sum_{j<i} a_ij (row j).
+    # A Neumann product (I - A)(I + A^2)(I + A^4)... is exact too, but its powers of A grow like
+    # binomials when keys are alike (A_ij near 1) and cancel catastrophically in fp32.
+    inv = tl.where(rows == offs_e[None, :], 1.0, 0.0)
+    for i in range(1, live):
+        a_i = tl.sum(tl.where(rows == i, a, 0.0), axis=0)
+        inv = tl.where(rows == i, inv - tl.sum(a_i[:, None] * inv, axis=0)[None, :], inv)
     return cum, inv, tl.dot(inv, (beta * tl.exp(cum))[:, None] * k, input_precision=PRECISION)
 
 
@@ -86,7 +92,7 @@ def _replay_gdn_read_kernel(
     s_gr_slot, s_gr_h, s_gr_e, s_br_slot, s_br_h, s_br_e,
     s_q_b, s_q_t, s_q_h, s_q_k, s_k_b, s_k_t, s_k_h, s_k_k, s_v_b, s_v_t, s_v_h, s_v_v,
     s_g_b, s_g_t, s_g_h, s_be_b, s_be_t, s_be_h, s_o_b, s_o_t, s_o_h, s_o_v,
-    L2NORM: tl.constexpr, BLOCK_E: tl.constexpr, LOG2_E: tl.constexpr, BLOCK_T: tl.constexpr,
+    L2NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_TILES: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_v = tl.program_id(0)
@@ -118,7 +124,7 @@ def _replay_gdn_read_kernel(
                     L2NORM)
     g = _scalars(gr, g_in, offs_e, m, n, start, ring_len, s_gr_e, s_g_t)
     beta = _scalars(br, b_in, offs_e, m, n, start, ring_len, s_br_e, s_be_t)
-    cum, inv, w = _wy(k, g, beta, offs_e, LOG2_E, PRECISION)
+    cum, inv, w = _wy(k, g, beta, offs_e, m + n, PRECISION)
 
     mask_t = offs_t < n
     q = tl.load(q_ptr + row * s_q_b + offs_t[:, None] * s_q_t + hk * s_q_h + offs_k[None, :] * s_q_k,
@@ -166,7 +172,7 @@ def _replay_gdn_fold_kernel(
     ring_len, dk, dv, heads_per_key,
     s_st_slot, s_st_h, s_st_k, s_st_v, s_kr_slot, s_kr_h, s_kr_e, s_kr_k, s_vr_slot, s_vr_h, s_vr_e, s_vr_v,
     s_gr_slot, s_gr_h, s_gr_e, s_br_slot, s_br_h, s_br_e,
-    FLUSH: tl.constexpr, L2NORM: tl.constexpr, BLOCK_E: tl.constexpr, LOG2_E: tl.constexpr,
+    FLUSH: tl.constexpr, L2NORM: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_TILES: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_v = tl.program_id(0)
@@ -202,7 +208,7 @@ def _replay_gdn_fold_kernel(
                     L2NORM)
     g = _scalars(gr, gr, offs_e, n, 0, start, ring_len, s_gr_e, s_gr_e)
     beta = _scalars(br, br, offs_e, n, 0, start, ring_len, s_br_e, s_br_e)
-    cum, inv, w = _wy(k, g, beta, offs_e, LOG2_E, PRECISION)
+    cum, inv, w = _wy(k, g, beta, offs_e, n, PRECISION)
     last = tl.sum(tl.where(offs_e == n - 1, cum, 0.0))
     k_to_end = k * tl.where(offs_e < n, tl.exp(last - cum), 0.0)[:, None]
     for vt in tl.static_range(V_TILES):
@@ -231,7 +237,7 @@ def _blocks(ring_len: int, dk: int, dv: int, programs: int, v_groups: int | None
         v_groups = 1 if programs >= 1024 else tiles
     if tiles % v_groups:
         raise ValueError(f"v_groups={v_groups} must divide the {tiles} V tiles of {block_v} columns")
-    return v_groups, {"BLOCK_E": block_e, "LOG2_E": block_e.bit_length() - 1, "BLOCK_K": block_k,
+    return v_groups, {"BLOCK_E": block_e, "BLOCK_K": block_k,
                       "BLOCK_V": block_v, "V_TILES": tiles // v_groups, "PRECISION": PRECISION}
 
 

@@ -108,3 +108,36 @@ def test_entry_points_take_the_kernels_under_force_triton():
     torch.testing.assert_close(pool[0][2], ref_pool[0][2], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="ring shapes"):
         ref.replay_gdn_step(pool[0], pool[1][:, :, :4], *pool[2:], *cursors, slots, n, *inputs)
+
+
+@pytest.mark.parametrize(("window", "t"), [(28, 4), (60, 4)])  # E = 32 and 64 entries
+def test_alike_keys_stay_accurate(window, t):
+    """Keys close to one another, beta near 1, little decay: A_ij near 1 below the diagonal, where
+    an inverse by powers of A cancels catastrophically in fp32 (errors of 1e4 at E = 64)."""
+    gen = torch.Generator().manual_seed(5)
+    hv, dk, dv, ring_len = 2, 64, 32, window + t
+    common = torch.randn(dk, generator=gen)
+
+    def alike(*size):
+        return (common + 0.3 * torch.randn(*size, dk, generator=gen)).to(DEVICE)
+
+    pool = [torch.randn(2, hv, dk, dv, generator=gen).to(DEVICE) * 0.5, alike(2, 1, ring_len),
+            torch.randn(2, hv, ring_len, dv, generator=gen).to(DEVICE),
+            (-0.02 * torch.rand(2, hv, ring_len, generator=gen)).to(DEVICE),
+            (0.5 + 0.5 * torch.rand(2, hv, ring_len, generator=gen)).to(DEVICE)]
+    pool64 = [x.double() for x in pool]
+    cursors = [torch.zeros(2, dtype=torch.int32, device=DEVICE), torch.full((2,), window, dtype=torch.int32,
+               device=DEVICE), torch.zeros(2, dtype=torch.bool, device=DEVICE)]
+    slots, n = torch.arange(2, device=DEVICE), torch.full((2,), t, device=DEVICE)
+    inputs = [torch.randn(2, t, 1, dk, generator=gen).to(DEVICE), alike(2, t, 1),
+              torch.randn(2, t, hv, dv, generator=gen).to(DEVICE),
+              (-0.02 * torch.rand(2, t, hv, generator=gen)).to(DEVICE),
+              (0.5 + 0.5 * torch.rand(2, t, hv, generator=gen)).to(DEVICE)]
+    o = tk.replay_gdn_step_triton(*pool, *cursors, slots, n, *inputs, use_qk_l2norm=True)
+    o64 = ref.replay_gdn_step_ref(*pool64, *cursors, slots, n, *(x.double() for x in inputs), use_qk_l2norm=True)
+    torch.testing.assert_close(o.double(), o64, rtol=1e-5, atol=1e-5)
+    args = (torch.tensor([0], device=DEVICE), torch.tensor([1], device=DEVICE), cursors[0][:1],
+            torch.tensor([ring_len - 1], dtype=torch.int32, device=DEVICE))
+    tk.replay_gdn_materialize_triton(*pool, *args, use_qk_l2norm=True)
+    ref.replay_gdn_materialize_ref(*pool64, *args, use_qk_l2norm=True)
+    torch.testing.assert_close(pool[0][1].double(), pool64[0][1], rtol=1e-5, atol=1e-5)
