@@ -21,8 +21,10 @@ def test_matches_transformers_recurrent_fallback():
     modeling = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
     q, k, v, g, beta, s0 = _inputs(dtype=torch.float32)
     o, s = gated_delta_recurrent_ref(q, k, v, g, beta, s0, use_qk_l2norm=True)
-    o_hf, s_hf = modeling.torch_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0,
-                                                           output_final_state=True, use_qk_l2norm_in_kernel=True)
+    # Where fla is importable, transformers' decorator serves fla's kernel under the torch name;
+    # __wrapped__ is its own torch fallback either way.
+    fallback = modeling.torch_recurrent_gated_delta_rule.__wrapped__
+    o_hf, s_hf = fallback(q, k, v, g, beta, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     torch.testing.assert_close(o, o_hf, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(s, s_hf, rtol=1e-5, atol=1e-5)
 
