@@ -24,12 +24,15 @@ from replayserve.ops.fp8 import FP8_DTYPE
 
 logger = logging.getLogger(__name__)
 
-# transformers' in-memory names use `model.`; checkpoints on disk use `backbone.`.
-_PREFIXES = (("model.", "backbone."),)
+# transformers' in-memory names use `model.`; checkpoints on disk use `backbone.`. A multimodal
+# Qwen3.5 checkpoint holds its language model under `model.language_model.`.
+_PREFIXES = (("model.language_model.", "backbone."), ("model.", "backbone."))
 # In-memory fused expert tensors (E, out, in), as transformers 5 holds them.
 _FUSED_EXPERTS = re.compile(r"(.*\.mixer\.experts)\.(up_proj|down_proj)$")
 # Multi-token-prediction layers: loaded when the config declares them, else skipped.
 _MTP = re.compile(r"^mtp\.")
+# A multimodal checkpoint's vision tower (Qwen3.5): never loaded, the language model runs alone.
+_VISION = re.compile(r"^model\.visual\.")
 _LM_HEAD = "lm_head.weight"
 # safetensors' dtype names, for reading a tensor's dtype from the header without its data.
 _HEADER_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F16": torch.float16,
@@ -80,7 +83,7 @@ def iter_checkpoint(files: list[Path], with_mtp: bool = False) -> Iterator[tuple
         try:
             with safe_open(str(path), framework="pt") as f:
                 for raw_name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    if not with_mtp and _MTP.match(raw_name):
+                    if (not with_mtp and _MTP.match(raw_name)) or _VISION.match(raw_name):
                         continue
                     name = _canonical_name(raw_name)
                     if name in stored_in:
@@ -106,7 +109,7 @@ def checkpoint_header(files: list[Path], with_mtp: bool = False) -> dict[str, to
         try:
             with safe_open(str(path), framework="pt") as f:
                 for raw_name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    if not with_mtp and _MTP.match(raw_name):
+                    if (not with_mtp and _MTP.match(raw_name)) or _VISION.match(raw_name):
                         continue
                     part = f.get_slice(raw_name)
                     shape = part.get_shape()
