@@ -24,6 +24,10 @@ QWEN3_5, QWEN3_5_TEXT = "qwen3_5", "qwen3_5_text"
 QWEN3_5_MOE, QWEN3_5_MOE_TEXT = "qwen3_5_moe", "qwen3_5_moe_text"
 # The multimodal wrappers' model_type -> their text_config's.
 WRAPPERS = {QWEN3_5: QWEN3_5_TEXT, QWEN3_5_MOE: QWEN3_5_MOE_TEXT}
+# Each model_type's class in transformers, for a config.json that names none.
+_ARCHITECTURES = {QWEN3_NEXT: "Qwen3NextForCausalLM", QWEN3_5: "Qwen3_5ForConditionalGeneration",
+                  QWEN3_5_TEXT: "Qwen3_5ForCausalLM", QWEN3_5_MOE: "Qwen3_5MoeForConditionalGeneration",
+                  QWEN3_5_MOE_TEXT: "Qwen3_5MoeForCausalLM"}
 
 # transformers 5.24's defaults (Qwen3NextConfig, Qwen3_5TextConfig, Qwen3_5MoeTextConfig), for keys a
 # config.json leaves out.
@@ -152,8 +156,9 @@ def qwen_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
     """A Qwen3-Next, Qwen3.5 or Qwen3.5-MoE config.json (text model or multimodal wrapper) ->
     ModelConfig keys; the wrapper keeps its own model_type and architectures."""
     model_type = raw["model_type"]
+    architectures = raw.get("architectures") or [_ARCHITECTURES[model_type]]
     if model_type not in WRAPPERS:
-        return {**_text_from_hf(raw, model_type), "model_type": model_type}
+        return {**_text_from_hf(raw, model_type), "model_type": model_type, "architectures": architectures}
     text = raw.get("text_config")
     if not isinstance(text, dict):
         raise _fail("text_config", f"a {model_type} config.json needs its language model's config, got {text!r}")
@@ -165,7 +170,7 @@ def qwen_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
     out = _text_from_hf({k: v for k, v in text.items() if k != "model_type"}, WRAPPERS[model_type])
     if "tie_word_embeddings" in raw:  # the wrapper's own setting is the one transformers applies
         out["tie_word_embeddings"] = raw["tie_word_embeddings"]
-    return {**rest, **out}
+    return {**rest, **out, "architectures": architectures}
 
 
 def _text_to_hf(fields: dict[str, Any], text_type: str) -> dict[str, Any]:
