@@ -1,6 +1,6 @@
 """The Gated DeltaNet families (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) give the same float64 greedy tokens
 whatever the engine does around the model, on the baseline GDN backend: prefix caching none /
-align / all (hits included), n-gram speculation, and speculation with chunked prefill and
+align / all (hits included), n-gram and draft-model speculation, and speculation with chunked prefill and
 preemption (an oracle proposer whose drafts are partly wrong, so rollback commits mid-row)."""
 
 from __future__ import annotations
@@ -21,20 +21,25 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def gdn_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
-    """A tiny checkpoint of the family and its reference outputs (no caching, no speculation)."""
+def gdn_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list]:
+    """A tiny checkpoint of the family, a draft model of the family (other weights), and the
+    reference outputs (no caching, no speculation)."""
     model_dir = make_tiny(tmp_path_factory.mktemp(request.param), family=request.param)
-    return model_dir, _workload(_llm(model_dir).engine)
+    draft_dir = make_tiny(tmp_path_factory.mktemp(f"{request.param}_draft"), seed=1, family=request.param)
+    return model_dir, draft_dir, _workload(_llm(model_dir).engine)
 
 
-@pytest.mark.parametrize(("mode", "spec"), [("align", None), ("all", None), (None, "ngram"), ("all", "ngram")])
-def test_greedy_tokens_equal_across_caching_and_ngram(gdn_model: tuple[Path, list], mode: str | None,
-                                                      spec: str | None) -> None:
-    model_dir, reference = gdn_model
+@pytest.mark.parametrize(("mode", "spec"), [("align", None), ("all", None), (None, "ngram"), ("all", "ngram"),
+                                            ("align", "draft")])
+def test_greedy_tokens_equal_across_caching_and_speculation(gdn_model: tuple[Path, Path, list], mode: str | None,
+                                                            spec: str | None) -> None:
+    model_dir, draft_dir, reference = gdn_model
     assert len({t for _, out in reference for t in out}) > 8  # not one repeated token
     kw: dict[str, object] = {}
     if spec == "ngram":
         kw["speculative"] = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    elif spec == "draft":
+        kw["speculative"] = {"method": "draft", "num_speculative_tokens": 2, "model": str(draft_dir)}
     llm = _llm(model_dir, "baseline", mode, **kw)
     assert _workload(llm.engine) == reference
     metrics = llm.get_metrics()
@@ -52,8 +57,8 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize("mode", [None, "all"])
-def test_spec_with_chunking_preemption_and_rollback(gdn_model: tuple[Path, list], mode: str | None) -> None:
-    model_dir, _ = gdn_model
+def test_spec_with_chunking_preemption_and_rollback(gdn_model: tuple[Path, Path, list], mode: str | None) -> None:
+    model_dir, _, _ = gdn_model
     plain = LLM(model=str(model_dir), dtype="float64", device="cpu", max_num_seqs=4)
     want = [o.token_ids for o in plain.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY,
                                                 use_tqdm=False)]
