@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 _PREFIXES = (("model.language_model.", "backbone."), ("model.", "backbone."))
 # In-memory fused expert tensors (E, out, in), as transformers 5 holds them.
 _FUSED_EXPERTS = re.compile(r"(.*\.mixer\.experts)\.(up_proj|down_proj)$")
+# The Qwen MoE's in-memory form: gate and up stacked in one (E, 2 I, H) tensor, down (E, H, I).
+_FUSED_GATE_UP = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 # Multi-token-prediction layers: loaded when the config declares them, else skipped.
 _MTP = re.compile(r"^mtp\.")
 # A multimodal checkpoint's vision tower (Qwen3.5): never loaded, the language model runs alone.
@@ -92,9 +94,16 @@ def iter_checkpoint(files: list[Path], with_mtp: bool = False) -> Iterator[tuple
                     stored_in[name] = path
                     tensor = f.get_tensor(raw_name)
                     fused = _FUSED_EXPERTS.match(name)
+                    gate_up = _FUSED_GATE_UP.match(name)
                     if fused:
                         for e, expert in enumerate(tensor):
                             yield path, f"{fused.group(1)}.{e}.{fused.group(2)}.weight", expert
+                    elif gate_up:
+                        for e, expert in enumerate(tensor):
+                            parts = expert.chunk(2) if gate_up.group(2) == "gate_up_proj" else (expert,)
+                            names = ("gate_proj", "up_proj") if len(parts) == 2 else ("down_proj",)
+                            for part_name, part in zip(names, parts, strict=True):
+                                yield path, f"{gate_up.group(1)}.{e}.{part_name}.weight", part
                     else:
                         yield path, name, tensor
         except SafetensorError as e:

@@ -118,6 +118,26 @@ def test_multimodal_qwen3_5_runs_its_language_model(qwen_checkpoint: Callable[[s
     assert [o.token_ids for o in outs] == [o.token_ids for o in _engine_generate(text_dir, "float32", prompts)]
 
 
+def test_fused_expert_tensors_load_as_the_per_expert_ones(qwen_checkpoint: Callable[[str], Path],
+                                                          tmp_path: Path) -> None:
+    """A checkpoint storing each layer's experts stacked, as transformers 5 holds them in memory
+    (`experts.gate_up_proj` (E, 2 I, H), `experts.down_proj` (E, H, I)), runs the same."""
+    source = qwen_checkpoint("qwen3_5_moe")
+    weights = load_file(source / "model.safetensors")
+    for prefix in sorted({k.split(".experts.")[0] for k in weights if ".experts." in k}):
+        count = sum(1 for k in weights if k.startswith(f"{prefix}.experts.") and k.endswith("down_proj.weight"))
+        experts = [{p: weights.pop(f"{prefix}.experts.{e}.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")}
+                   for e in range(count)]
+        weights[f"{prefix}.experts.gate_up_proj"] = torch.stack([torch.cat([x["gate_proj"], x["up_proj"]])
+                                                                 for x in experts])
+        weights[f"{prefix}.experts.down_proj"] = torch.stack([x["down_proj"] for x in experts])
+    save_file(weights, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((source / "config.json").read_text())
+    prompts = _prompts(QWEN_CONFIGS["qwen3_5_moe"][2]["vocab_size"])[:1]
+    assert [o.token_ids for o in _engine_generate(tmp_path, "float32", prompts)] == [
+        o.token_ids for o in _engine_generate(source, "float32", prompts)]
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
 def test_make_tiny_checkpoint_runs_the_same_in_transformers(family: str, tmp_path: Path) -> None:
     model_dir = make_tiny(tmp_path, family=family)
