@@ -297,12 +297,14 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("make-tiny", help="write a random tiny model of a supported family in Hugging Face format")
     tiny.add_argument("dir", help="the directory to write")
     tiny.add_argument("--seed", type=int, default=0, help="weights seed (default %(default)s)")
-    tiny.add_argument("--family", default="nemotron_h", choices=("nemotron_h", "granite", "bamba", "falcon_h1"),
+    tiny.add_argument("--family", default="nemotron_h",
+                      choices=("nemotron_h", "granite", "bamba", "falcon_h1", "qwen3_next", "qwen3_5", "qwen3_5_moe"),
                       help="the model family (default %(default)s)")
     tiny.add_argument("--layers", default=None,
                       help="layer pattern: M Mamba2, * attention, - MLP, E MoE (nemotron_h only); default M*-ME "
                            "for nemotron_h, M*MM*M for granite and bamba (every layer has its MLP), MMM for "
-                           "falcon_h1 (one M per layer, each with both mixers)")
+                           "falcon_h1 (one M per layer, each with both mixers); G Gated DeltaNet, * gated "
+                           "attention for the qwen families, default GG*G")
     tiny.add_argument("--force", action="store_true", help="overwrite a non-empty directory")
     quant = sub.add_parser("quantize", help="write an FP8 (NVIDIA ModelOpt layout) copy of a 16/32-bit checkpoint "
                                             f"or of {TINY_CODE}")

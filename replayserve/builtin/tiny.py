@@ -12,12 +12,17 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch import nn
 
-from replayserve.config import ATTENTION, MAMBA, PATTERN_CHARS, ModelConfig
+from replayserve.config import ATTENTION, GATED_DELTA, MAMBA, MLP, MOE, PATTERN_CHARS, ModelConfig
 from replayserve.models.registry import family_of
 from replayserve.models.writer import save_model
 
 # make-tiny's --family names: the config.json model_type of each.
-TINY_FAMILIES = {"nemotron_h": "nemotron_h", "granite": "granitemoehybrid", "bamba": "bamba", "falcon_h1": "falcon_h1"}
+TINY_FAMILIES = {"nemotron_h": "nemotron_h", "granite": "granitemoehybrid", "bamba": "bamba", "falcon_h1": "falcon_h1",
+                 "qwen3_next": "qwen3_next", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+_QWEN_ARCHITECTURES = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM",
+                       "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
+# The Gated DeltaNet families' layer pattern characters: G a Gated DeltaNet layer, * a gated attention one.
+_QWEN_MIXERS = {"G": GATED_DELTA, "*": ATTENTION}
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2, as the model config expects
 
@@ -60,10 +65,23 @@ def tiny_config(layers: str = "M*-ME", vocab_size: int = 512, family: str = "nem
     so that a test of it sees every one of them."""
     if family not in TINY_FAMILIES:
         raise ValueError(f"--family: unknown family {family!r}; use one of {sorted(TINY_FAMILIES)}")
-    allowed = {"nemotron_h": "".join(PATTERN_CHARS), "falcon_h1": "M"}.get(family, "M*")
+    qwen = family.startswith("qwen")
+    allowed = {"nemotron_h": "".join(PATTERN_CHARS), "falcon_h1": "M"}.get(family, "G*" if qwen else "M*")
     unknown = sorted(set(layers) - set(allowed))
     if unknown:
         raise ValueError(f"--layers: unknown characters {unknown} for family {family}; use {sorted(allowed)}")
+    if qwen:  # each layer's feed-forward: Qwen3.5's dense MLP, the others' MoE (Qwen3-Next's first layer dense)
+        ffns = [MLP if family == "qwen3_5" or (family == "qwen3_next" and i == 0) else MOE for i in range(len(layers))]
+        return ModelConfig(
+            layer_types=tuple(t for c, ffn in zip(layers, ffns, strict=True) for t in (_QWEN_MIXERS[c], ffn)),
+            model_type=TINY_FAMILIES[family], architectures=(_QWEN_ARCHITECTURES[family],), vocab_size=vocab_size,
+            hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+            intermediate_size=192, mlp_hidden_act="silu", layer_norm_epsilon=1e-6, rope_theta=10000.0,
+            partial_rotary_factor=0.25, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+            linear_value_head_dim=32, linear_conv_kernel_dim=4, attention_output_gate=True, qk_norm=True,
+            n_routed_experts=0 if family == "qwen3_5" else 4, num_experts_per_tok=2, moe_intermediate_size=64,
+            moe_shared_expert_intermediate_size=96, moe_shared_expert_gate=family != "qwen3_5",
+        )
     if family == "granite":
         return ModelConfig(
             layer_types=tuple(MAMBA if c == "M" else ATTENTION for c in layers), model_type="granitemoehybrid",
@@ -129,13 +147,15 @@ def make_tiny(out_dir: str | Path, seed: int = 0, layers: str | None = None, fam
     """Writes config.json, model.safetensors and tokenizer.json to `out_dir`, in the family's
     Hugging Face layout (the files transformers' class of the family loads).
 
-    layers: the layer pattern (default "M*-ME" for Nemotron-H, "MMM" for Falcon-H1, "M*MM*M" for the others).
+    layers: the layer pattern (default "M*-ME" for Nemotron-H, "MMM" for Falcon-H1, "GG*G" for the Qwen
+    families, "M*MM*M" for the others).
     sizes: ModelConfig fields to override (e.g. hidden_size=1024 for a benchmark-sized model).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
-    pattern = layers if layers is not None else {"nemotron_h": "M*-ME", "falcon_h1": "MMM"}.get(family, "M*MM*M")
+    default = {"nemotron_h": "M*-ME", "falcon_h1": "MMM"}.get(family, "GG*G" if family.startswith("qwen") else "M*MM*M")
+    pattern = layers if layers is not None else default
     cfg = dataclasses.replace(tiny_config(pattern, tokenizer.get_vocab_size(), family), **sizes)
     model = family_of(cfg).model_class(cfg)
     init_random_weights(model, seed)

@@ -12,7 +12,7 @@ import torch
 
 from replayserve.config import ConfigError, EngineConfig
 from replayserve.models.sharding import local_model_config
-from replayserve.ssm.layout import MambaLayout
+from replayserve.ssm.layout import GatedDeltaLayout, MambaLayout
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -25,7 +25,8 @@ def kv_cache_torch_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtyp
 
 
 def cache_bytes(config: EngineConfig, dtype: torch.dtype) -> tuple[int, int]:
-    """(KV cache bytes, Mamba state bytes) that the runner allocates for `config` in `dtype`."""
+    """(KV cache bytes, recurrent (Mamba2 or Gated DeltaNet) state bytes) that the runner allocates for
+    `config` in `dtype`."""
     return cache_bytes_for(config, dtype, config.resolved_num_kv_blocks, config.resolved_num_mamba_cache_slots)
 
 
@@ -43,8 +44,15 @@ def cache_bytes_for(config: EngineConfig, dtype: torch.dtype, num_kv_blocks: int
     # slot of padded decode rows (the allocation test keeps this in step with the runner).
     kv_shape = (num_kv_blocks + 1, config.block_size, m.num_key_value_heads, m.head_dim)
     kv = 2 * m.num_attention_layers * _nbytes(kv_shape, kv_cache_torch_dtype(config, dtype))
+    num_slots = config.max_num_seqs + num_cached_states + 1
+    if m.num_gated_delta_layers:  # the baseline GDN backend (ssm/gated_delta_baseline.py)
+        gdn = GatedDeltaLayout.from_config(m, num_slots, dtype, tokens_per_step=config.tokens_per_step)
+        states = 1 + (gdn.tokens_per_step if gdn.tokens_per_step > 1 else 0)  # live, and one per verified token
+        per_layer = (_nbytes(gdn.conv_state_shape, gdn.act_dtype)
+                     + states * _nbytes(gdn.ssm_state_shape, gdn.state_dtype))
+        return kv, per_layer * gdn.num_layers
     replay = config.ssm_backend == "replay"
-    layout = MambaLayout.from_config(m, config.max_num_seqs + num_cached_states + 1, dtype,
+    layout = MambaLayout.from_config(m, num_slots, dtype,
                                      window=config.resolved_replay_window if replay else 0,
                                      tokens_per_step=config.tokens_per_step)
     act, state = layout.act_dtype, layout.state_dtype

@@ -83,6 +83,9 @@ def activation_reserve(config: EngineConfig) -> int:
     if m.num_mamba_layers:
         in_proj = 2 * m.mamba_intermediate_size + 2 * m.n_groups * m.ssm_state_size + m.mamba_num_heads
         mixers.append(in_proj + m.conv_dim)
+    if m.num_gated_delta_layers:  # in_proj's q k v, z, b and a, and the conv's output
+        v_dim = m.linear_num_value_heads * m.linear_value_head_dim
+        mixers.append(2 * m.gated_delta_conv_dim + v_dim + 2 * m.linear_num_value_heads)
     if "moe" in m.layer_types:
         mixers.append(2 * m.num_experts_per_tok * m.moe_intermediate_size + m.moe_shared_expert_intermediate_size)
     if m.num_attention_layers:

@@ -16,6 +16,7 @@ from replayserve.config.model import (
     ATTENTION,
     DEVICES,
     DTYPES,
+    GATED_DELTA,
     LAYER_TYPES,
     MAMBA,
     MAMBA_CACHE_MODES,
@@ -31,7 +32,8 @@ from replayserve.config.model import (
 from replayserve.config.options import DERIVED_FIELDS, ENGINE_OPTIONS, EngineOption, resolve_options
 
 __all__ = ["ALLOW_LONG_MAX_MODEL_LEN", "ATTENTION", "DERIVED_FIELDS", "DEVICES", "DTYPES", "ENGINE_OPTIONS",
-           "LAYER_TYPES", "MAMBA", "MAMBA_CACHE_MODES", "MAX_REPLAY_WINDOW", "MLP", "MOE", "PATTERN_CHARS",
+           "GATED_DELTA", "LAYER_TYPES", "MAMBA", "MAMBA_CACHE_MODES", "MAX_REPLAY_WINDOW", "MLP", "MOE",
+           "PATTERN_CHARS",
            "SCORE_ROWS", "SPEC_METHODS", "SSM_BACKENDS", "ConfigError", "EngineConfig", "EngineOption", "ModelConfig",
            "SpeculativeConfig", "check_mamba_cache_mode", "check_replay_window", "resolve_options",
            "tensor_parallel_error"]

@@ -169,6 +169,9 @@ class EngineConfig:
             fail("kv_cache_dtype", f"{self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
         if self.ssm_backend not in SSM_BACKENDS:
             fail("ssm_backend", f"{self.ssm_backend!r} is not one of {SSM_BACKENDS}")
+        if self.ssm_backend == "replay" and self.model.num_gated_delta_layers:
+            fail("ssm_backend", "'replay' is not implemented for Gated DeltaNet layers yet (Qwen3-Next, Qwen3.5); "
+                 "use 'baseline'")
         if self.ssm_backend == "replay":
             check_replay_window(self.resolved_replay_window, self.tokens_per_step)
             if self.dtype == "float64" and self.device.startswith("cuda"):

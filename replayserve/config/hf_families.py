@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from replayserve.config.checks import ConfigError
+from replayserve.config.hf_qwen import QWEN_TYPES, qwen_from_hf, qwen_to_hf
 
 GRANITE = "granitemoehybrid"
 BAMBA = "bamba"
@@ -25,7 +26,9 @@ FAMILY_FIELDS = frozenset({"embedding_multiplier", "residual_multiplier", "logit
                            "rope_theta", "partial_rotary_factor", "dt_limit", "ssm_in_multiplier",
                            "ssm_out_multiplier", "ssm_multipliers", "attention_in_multiplier",
                            "attention_out_multiplier", "key_multiplier", "mlp_multipliers", "mamba_rms_norm",
-                           "mamba_norm_before_gate"})
+                           "mamba_norm_before_gate", "linear_num_key_heads", "linear_num_value_heads",
+                           "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+                           "attention_output_gate", "qk_norm", "moe_shared_expert_gate"})
 
 # transformers 5.24's defaults (GraniteMoeHybridConfig, BambaConfig), for keys a config.json leaves out.
 _MAMBA_DEFAULTS: dict[str, Any] = {
@@ -273,6 +276,7 @@ def bamba_to_hf(fields: dict[str, Any]) -> dict[str, Any]:
 
 
 FROM_HF: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    GRANITE: granite_from_hf, BAMBA: bamba_from_hf, FALCON_H1: falcon_h1_from_hf}
+    GRANITE: granite_from_hf, BAMBA: bamba_from_hf, FALCON_H1: falcon_h1_from_hf,
+    **dict.fromkeys(QWEN_TYPES, qwen_from_hf)}
 TO_HF: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    GRANITE: granite_to_hf, BAMBA: bamba_to_hf, FALCON_H1: falcon_h1_to_hf}
+    GRANITE: granite_to_hf, BAMBA: bamba_to_hf, FALCON_H1: falcon_h1_to_hf, **dict.fromkeys(QWEN_TYPES, qwen_to_hf)}

@@ -15,9 +15,12 @@ from typing import Any
 
 from replayserve.config.checks import ConfigError, check_field_types, check_minimums
 from replayserve.config.hf_families import FAMILY_FIELDS, FROM_HF, TO_HF
+from replayserve.config.hf_qwen import QWEN_TYPES
 
-LAYER_TYPES = ("linear_attention", "full_attention", "mlp", "moe")
-MAMBA, ATTENTION, MLP, MOE = LAYER_TYPES
+# "linear_attention" is a Mamba2 mixer (Nemotron-H's name); "gated_delta" a Gated DeltaNet mixer
+# (Qwen3-Next and Qwen3.5 call theirs "linear_attention": config/hf_qwen.py renames it).
+LAYER_TYPES = ("linear_attention", "full_attention", "mlp", "moe", "gated_delta")
+MAMBA, ATTENTION, MLP, MOE, GATED_DELTA = LAYER_TYPES
 # The legacy one-character layer pattern (`hybrid_override_pattern`).
 PATTERN_CHARS = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}
 
@@ -67,8 +70,9 @@ _MODEL_MINIMUMS = {
                      "intermediate_size", "mamba_num_heads", "mamba_head_dim",
                      "ssm_state_size", "n_groups", "chunk_size", "num_experts_per_tok",
                      "moe_intermediate_size", "moe_shared_expert_intermediate_size", "moe_latent_size", "n_group",
-                     "topk_group"), 1),
-    "conv_kernel": 2,
+                     "topk_group", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim"), 1),
+    **dict.fromkeys(("conv_kernel", "linear_conv_kernel_dim"), 2),
     # Granite 4.0-H runs with none (num_local_experts 0: the shared MLP alone); MoE layers need some.
     "n_routed_experts": 0,
     **dict.fromkeys(("pad_token_id", "bos_token_id", "eos_token_ids", "num_nextn_predict_layers"), 0),
@@ -138,6 +142,15 @@ class ModelConfig:
     mlp_multipliers: tuple[float, ...] = ()  # (gate, down); (): both 1
     mamba_rms_norm: bool = True  # false: the scan's output is only gated, y * silu(z)
     mamba_norm_before_gate: bool = False  # true: norm(y) * silu(z); false (Nemotron-H): norm(y * silu(z))
+    # Gated DeltaNet (Qwen3-Next, Qwen3.5; config/hf_qwen.py): key heads serve Hv // Hk value heads each.
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    attention_output_gate: bool = False  # q_proj also yields a gate: attention out * sigmoid(gate)
+    qk_norm: bool = False  # an RMSNorm over each head of q and k before RoPE
+    moe_shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x @ gate)
 
     def __post_init__(self) -> None:
         def fail(option: str, why: str) -> None:
@@ -174,6 +187,8 @@ class ModelConfig:
             (self.sliding_window is None, "sliding_window", f"{self.sliding_window}; only null"),
             (self.mamba_num_heads % self.n_groups == 0, "n_groups",
              f"{self.n_groups} must divide mamba_num_heads={self.mamba_num_heads}"),
+            (self.linear_num_value_heads % self.linear_num_key_heads == 0, "linear_num_value_heads",
+             f"{self.linear_num_value_heads} must be a multiple of linear_num_key_heads={self.linear_num_key_heads}"),
             (self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
              f"{self.num_key_value_heads} must divide num_attention_heads={self.num_attention_heads}"),
             (self.n_routed_experts % self.n_group == 0, "n_group",
@@ -195,6 +210,11 @@ class ModelConfig:
              or (self.mtp_layer_types and set(self.mtp_layer_types) <= {ATTENTION, MOE, MLP}),
              "mtp_layers_block_type", f"{list(self.mtp_layer_types)}; attention, moe or mlp layers, at least one"),
         ]
+        if self.model_type in QWEN_TYPES:  # decoder layers of a token mixer then a feed-forward half
+            mixers, ffns = self.layer_types[::2], self.layer_types[1::2]
+            checks.append((len(mixers) == len(ffns) and set(mixers) <= {GATED_DELTA, ATTENTION}
+                           and set(ffns) <= {MLP, MOE}, "layers_block_type",
+                           f"{list(self.layer_types)}; (gated_delta or full_attention, mlp or moe) pairs"))
         for ok, option, why in checks:
             if not ok:
                 fail(option, f"unsupported value {why}")
@@ -202,6 +222,22 @@ class ModelConfig:
     @property
     def num_mamba_layers(self) -> int:
         return self.layer_types.count(MAMBA)
+
+    @property
+    def num_gated_delta_layers(self) -> int:
+        return self.layer_types.count(GATED_DELTA)
+
+    @property
+    def num_recurrent_layers(self) -> int:
+        """Layers with per-sequence recurrent state (Mamba2 and Gated DeltaNet): what prefix
+        caching's state slots and the SSM backend hold."""
+        return self.num_mamba_layers + self.num_gated_delta_layers
+
+    @property
+    def gated_delta_conv_dim(self) -> int:
+        """Channels of the Gated DeltaNet's depthwise conv: q, k and v concatenated."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + (
+            self.linear_num_value_heads * self.linear_value_head_dim)
 
     @property
     def num_attention_layers(self) -> int:

@@ -159,10 +159,11 @@ def resolve_options(options: Mapping[str, Any], model: ModelConfig, cuda_availab
         cuda = isinstance(resolved["device"], str) and resolved["device"].startswith("cuda")
         resolved["dtype"] = "bfloat16" if cuda else "float32"
     if resolved["mamba_cache_mode"] is None:
-        hybrid = resolved["enable_prefix_caching"] and model.num_mamba_layers > 0
+        hybrid = resolved["enable_prefix_caching"] and model.num_recurrent_layers > 0
         resolved["mamba_cache_mode"] = "align" if hybrid else "none"
         if hybrid:
-            logger.info("prefix caching: mamba_cache_mode='align' (the model has Mamba layers; 'none' would never hit)")
+            logger.info("prefix caching: mamba_cache_mode='align' (the model has recurrent layers, Mamba2 or Gated "
+                        "DeltaNet; 'none' would never hit)")
     if resolved["speculative"] is not None:
         if not isinstance(resolved["speculative"], dict):
             raise ConfigError(f"engine option speculative: must be a dict of SpeculativeConfig's keys, got "

@@ -92,7 +92,7 @@ class Engine:
         self.cache = CacheManager(
             config.resolved_num_kv_blocks, config.block_size, config.max_num_seqs,
             config.resolved_num_mamba_cache_slots, config.enable_prefix_caching,
-            has_mamba=config.model.num_mamba_layers > 0, state_block=config.resolved_mamba_block_size,
+            has_mamba=config.model.num_recurrent_layers > 0, state_block=config.resolved_mamba_block_size,
         )
         spec = config.speculative
         self.runner = runner

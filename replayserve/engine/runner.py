@@ -23,10 +23,11 @@ from replayserve.models.nemotron_h import NemotronHForCausalLM
 from replayserve.ops.dispatch import use_triton
 from replayserve.ops.token_bitmask import TokenMask
 from replayserve.sampling_params import SamplingParams
-from replayserve.ssm.backend import SSMBackend
 from replayserve.ssm.baseline import BaselineBackend
-from replayserve.ssm.layout import MambaLayout
+from replayserve.ssm.gated_delta_baseline import GatedDeltaBaselineBackend
+from replayserve.ssm.layout import GatedDeltaLayout, MambaLayout
 from replayserve.ssm.replay import ReplayBackend
+from replayserve.ssm.slot_state import SlotStateBackend
 
 if TYPE_CHECKING:
     from replayserve.speculative.mtp import HiddenStore
@@ -36,13 +37,15 @@ logger = logging.getLogger(__name__)
 
 
 def make_ssm_backend(config: EngineConfig, dtype: torch.dtype, device: torch.device,
-                     model: ModelConfig | None = None) -> SSMBackend:
+                     model: ModelConfig | None = None) -> SlotStateBackend:
     """Slots 0..max_num_seqs-1 are live; the prefix cache's boundary slots follow them, and the
     last slot is the pad slot of padded decode rows (no pool hands it out). model: the shapes to
     hold, when not config.model's (a tensor-parallel rank's slice)."""
     model = model or config.model
     num_slots = config.max_num_seqs + config.resolved_num_mamba_cache_slots + 1
     tokens = config.tokens_per_step
+    if model.num_gated_delta_layers:  # EngineConfig refuses ssm_backend 'replay' for these models
+        return GatedDeltaBaselineBackend(GatedDeltaLayout.from_config(model, num_slots, dtype, tokens), device)
     if config.ssm_backend == "replay":
         layout = MambaLayout.from_config(model, num_slots, dtype, window=config.resolved_replay_window,
                                          tokens_per_step=tokens)

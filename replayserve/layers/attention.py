@@ -43,22 +43,26 @@ class Attention(nn.Module):
         q = self.q_proj(hidden).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attend(q, k, v, ctx, kv_cache).reshape(t, -1))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext,
+               kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """RoPE (where the config sets it), the KV cache write and attention over the cache:
+        q (T, H, Dh), k and v (T, Hkv, Dh) -> (T, H, Dh)."""
         if self.rope is not None:
             # Made on the device and kept: not a buffer, which the loader's meta-device build would
             # leave uninitialised and a cast would round. Not kept when first made inside a CUDA-graph
             # capture (its memory would belong to the graph's pool).
-            inv_freq = self._inv_freq_on.get(hidden.device)
+            inv_freq = self._inv_freq_on.get(q.device)
             if inv_freq is None:
-                inv_freq = rope_inv_freq(*self.rope, device=hidden.device)
-                if not (hidden.is_cuda and torch.cuda.is_current_stream_capturing()):
-                    self._inv_freq_on[hidden.device] = inv_freq
+                inv_freq = rope_inv_freq(*self.rope, device=q.device)
+                if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+                    self._inv_freq_on[q.device] = inv_freq
             q, k = apply_rope_ref(q, ctx.positions, inv_freq), apply_rope_ref(k, ctx.positions, inv_freq)
         k_cache, v_cache = kv_cache
         if ctx.uniform_decode:  # fixed shapes, no host sync: the CUDA-graph path
-            out = write_kv_and_attend_decode(q, k, v, k_cache, v_cache, ctx.slot_mapping, ctx.block_tables,
-                                             ctx.query_start_loc, ctx.seq_lens, self.scale, ctx.uniform_decode,
-                                             *self.kv_scales)
-        else:
-            out = write_kv_and_attend(q, k, v, k_cache, v_cache, ctx.slot_mapping, ctx.block_tables,
-                                      ctx.query_start_loc, ctx.seq_lens, self.scale, *self.kv_scales)
-        return self.o_proj(out.reshape(t, -1))
+            return write_kv_and_attend_decode(q, k, v, k_cache, v_cache, ctx.slot_mapping, ctx.block_tables,
+                                              ctx.query_start_loc, ctx.seq_lens, self.scale, ctx.uniform_decode,
+                                              *self.kv_scales)
+        return write_kv_and_attend(q, k, v, k_cache, v_cache, ctx.slot_mapping, ctx.block_tables,
+                                   ctx.query_start_loc, ctx.seq_lens, self.scale, *self.kv_scales)

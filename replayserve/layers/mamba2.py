@@ -100,9 +100,9 @@ class Mamba2Mixer(nn.Module):
             else:
                 y[:nd] = y_dec
         elif nd:  # speculative verify: rows of 1 + drafts tokens, padded to the longest
-            index, lens = _padded_index(ctx.decode_lens, hidden.device)
+            index, lens = padded_index(ctx.decode_lens, hidden.device)
             y_rows = backend.verify(self.mamba_index, ctx.state_slots[:nd], xbc[index], dt[index], lens, params)
-            y[:nt] = y_rows.flatten(0, 1)[_valid_positions(ctx.decode_lens, index.shape[1], hidden.device)]
+            y[:nt] = y_rows.flatten(0, 1)[valid_positions(ctx.decode_lens, index.shape[1], hidden.device)]
         segments = ctx.prefill_segments()
         if segments:
             y[segments[0][0] : segments[-1][1]] = backend.prefill_batch(self.mamba_index, segments, xbc, dt, params,
@@ -111,7 +111,7 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(y)
 
 
-def _padded_index(lens: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def padded_index(lens: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, T) token indices of rows of `lens` tokens laid end to end, padded by repeating each
     row's last token (finite inputs; their outputs are dropped), and the lengths as int32."""
     width = max(lens)
@@ -121,6 +121,6 @@ def _padded_index(lens: tuple[int, ...], device: torch.device) -> tuple[torch.Te
     return starts[:, None] + offsets, lens_t.to(torch.int32)
 
 
-def _valid_positions(lens: tuple[int, ...], width: int, device: torch.device) -> torch.Tensor:
+def valid_positions(lens: tuple[int, ...], width: int, device: torch.device) -> torch.Tensor:
     """Flat indices into (rows * T) of each row's real tokens, in order."""
     return torch.cat([torch.arange(n, device=device) + i * width for i, n in enumerate(lens)])

@@ -25,14 +25,19 @@ from replayserve.ops.fp8 import FP8_DTYPE
 
 logger = logging.getLogger(__name__)
 
-# transformers' in-memory names use `model.`; checkpoints on disk use `backbone.`.
-_PREFIXES = (("model.", "backbone."),)
+# transformers' in-memory names use `model.`; checkpoints on disk use `backbone.`. A multimodal
+# Qwen3.5 checkpoint holds its language model under `model.language_model.`.
+_PREFIXES = (("model.language_model.", "backbone."), ("model.", "backbone."))
 # In-memory fused expert tensors (E, out, in), as transformers 5 holds them.
 _FUSED_EXPERTS = re.compile(r"(.*\.mixer\.experts)\.(up_proj|down_proj)$")
+# The Qwen MoE's in-memory form: gate and up stacked in one (E, 2 I, H) tensor, down (E, H, I).
+_FUSED_GATE_UP = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 # Multi-token-prediction layers: loaded when the config declares them, else skipped.
-T = TypeVar("T")
 _MTP = re.compile(r"^mtp\.")
+# A multimodal checkpoint's vision tower (Qwen3.5): never loaded, the language model runs alone.
+_VISION = re.compile(r"^model\.visual\.")
 _LM_HEAD = "lm_head.weight"
+T = TypeVar("T")
 # safetensors' dtype names, for reading a tensor's dtype from the header without its data.
 _HEADER_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F16": torch.float16,
                   "F32": torch.float32, "F64": torch.float64}
@@ -75,13 +80,13 @@ def _canonical_name(name: str) -> str:
 
 def _walk(files: list[Path], with_mtp: bool, read: Callable[[Any, str], T]) -> Iterator[tuple[Path, str, T]]:
     """Yields (file, tensor name as this engine names it, read(handle, stored name)) for every stored
-    tensor (`mtp.*` only when `with_mtp`). The one walk over the files: a safetensors error,
+    tensor (`mtp.*` only when `with_mtp`; a vision tower never). The one walk over the files: a safetensors error,
     in `read` too, becomes a CheckpointError naming the file."""
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as f:
                 for raw_name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    if with_mtp or not _MTP.match(raw_name):
+                    if (with_mtp or not _MTP.match(raw_name)) and not _VISION.match(raw_name):
                         yield path, _canonical_name(raw_name), read(f, raw_name)
         except SafetensorError as e:
             raise CheckpointError(f"{path} is not a valid safetensors file: {e}") from e
@@ -98,9 +103,16 @@ def iter_checkpoint(files: list[Path], with_mtp: bool = False) -> Iterator[tuple
                                   "a checkpoint holds each tensor once")
         stored_in[name] = path
         fused = _FUSED_EXPERTS.match(name)
+        gate_up = _FUSED_GATE_UP.match(name)
         if fused:
             for e, expert in enumerate(tensor):
                 yield path, f"{fused.group(1)}.{e}.{fused.group(2)}.weight", expert
+        elif gate_up:
+            for e, expert in enumerate(tensor):
+                parts = expert.chunk(2) if gate_up.group(2) == "gate_up_proj" else (expert,)
+                names = ("gate_proj", "up_proj") if len(parts) == 2 else ("down_proj",)
+                for part_name, part in zip(names, parts, strict=True):
+                    yield path, f"{gate_up.group(1)}.{e}.{part_name}.weight", part
         else:
             yield path, name, tensor
 

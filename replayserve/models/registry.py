@@ -18,6 +18,7 @@ from replayserve.models.bamba import BambaForCausalLM
 from replayserve.models.falcon_h1 import FalconH1ForCausalLM
 from replayserve.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from replayserve.models.nemotron_h import NemotronHForCausalLM
+from replayserve.models.qwen3_next import Qwen3NextForCausalLM
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,11 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("granitemoehybrid", ("GraniteMoeHybridForCausalLM",), GraniteMoeHybridForCausalLM),
     ModelFamily("bamba", ("BambaForCausalLM",), BambaForCausalLM),
     ModelFamily("falcon_h1", ("FalconH1ForCausalLM",), FalconH1ForCausalLM),
+    ModelFamily("qwen3_next", ("Qwen3NextForCausalLM",), Qwen3NextForCausalLM),
+    ModelFamily("qwen3_5", ("Qwen3_5ForConditionalGeneration",), Qwen3NextForCausalLM),
+    ModelFamily("qwen3_5_text", ("Qwen3_5ForCausalLM",), Qwen3NextForCausalLM),
+    ModelFamily("qwen3_5_moe", ("Qwen3_5MoeForConditionalGeneration",), Qwen3NextForCausalLM),
+    ModelFamily("qwen3_5_moe_text", ("Qwen3_5MoeForCausalLM",), Qwen3NextForCausalLM),
 )
 
 

@@ -2,54 +2,28 @@
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from replayserve.ops.conv1d import causal_conv1d_ref, causal_conv1d_verify
-from replayserve.ops.copy_rows import copy_rows
 from replayserve.ops.dispatch import use_triton
 from replayserve.ops.ssd import ssd_chunk_scan_ref
 from replayserve.ssm.layout import MambaLayout
 from replayserve.ssm.params import MambaParams, Segment
+from replayserve.ssm.slot_state import SlotStateBackend
 
 if TYPE_CHECKING:
     from replayserve.ssm.packed_prefill import PrefillPlan
 
 
-class SSMBackend(ABC):
-    """Owns the conv and SSM state of every Mamba layer, indexed by state slot."""
+class SSMBackend(SlotStateBackend):
+    """Owns the conv and SSM state of every Mamba layer, indexed by state slot; the Mamba2 mixer's
+    prefill, decode and verify run here (the slot-level methods are `SlotStateBackend`'s)."""
 
     layout: MambaLayout
-    conv_state: list[torch.Tensor]  # per Mamba layer, layout.conv_state_shape
-    ssm_state: list[torch.Tensor]  # per Mamba layer, layout.ssm_state_shape (the checkpoint for replay)
-    spec_states: list[torch.Tensor]  # baseline verify: (slots, T, H, P, N), the state after each token
-    # The last verify step's conv windows per layer and accepted counts, kept until the next step
-    # so boundary states inside it can still be published.
-    _windows: dict[int, torch.Tensor]
-    _accepted: torch.Tensor | None
-
-    def _init_step_state(self) -> None:
-        self.spec_states, self._windows, self._accepted = [], {}, None
-        self._capture_indices: dict[tuple, torch.Tensor] = {}
-
-    @property
-    def verify_windows(self) -> dict[int, torch.Tensor]:
-        """The last verify step's conv windows by layer, (B, conv_dim, K - 1 + T) each (a new dict,
-        the tensors shared): what a graphed step leaves behind on this object, which a CUDA graph's
-        replay runs no Python to set (`DecodeGraphs` keeps it after a capture, restores it after a
-        replay)."""
-        return dict(self._windows)
-
-    @verify_windows.setter
-    def verify_windows(self, windows: dict[int, torch.Tensor]) -> None:
-        self._windows = dict(windows)
-
-    @abstractmethod
-    def reset_slots(self, slots: torch.Tensor) -> None:
-        """Zeroes every layer's state of `slots` (int64, on the device): a fresh request."""
 
     def prefill_batch(self, layer: int, segments: Sequence[Segment], xbc: torch.Tensor, dt: torch.Tensor,
                       params: MambaParams, plan: PrefillPlan | None = None, packed: bool | None = None) -> torch.Tensor:
@@ -141,41 +115,6 @@ class SSMBackend(ABC):
             index = self._capture_indices[key] = torch.tensor(rows, dtype=torch.int64, device=device)
         return index[0], index[1], index[2]
 
-    def copy_canonical(self, layer: int, src: int, dst: int) -> None:
-        """One layer's conv and SSM state of slot `src` into `dst` (src holds canonical state)."""
-        self.conv_state[layer][dst] = self.conv_state[layer][src]
-        self.ssm_state[layer][dst] = self.ssm_state[layer][src]
-
-    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Every layer's state of canonical slots `src` into live slots `dst` (int64 (B,), on the
-        device), which then continue from it as fresh slots: a prefix hit. One read and one write
-        per row on CUDA (``copy_rows``), where ``t[dst] = t[src]`` would gather into a temporary."""
-        for t in (*self.conv_state, *self.ssm_state):
-            copy_rows(t, src, t, dst)
-
-    def publish(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, lag: torch.Tensor,
-                A: list[torch.Tensor]) -> None:
-        """After `end_step`: the canonical state at a block boundary `lag` committed tokens before
-        the end of decode row `rows` (its live slot `src`) into boundary slot `dst` (all (M,) on the
-        device; A: (H,) per Mamba layer)."""
-        if self._windows:  # a verify step: the boundary may lie inside it
-            j, width = self._accepted[rows] - lag, self.layout.conv_kernel - 1  # j >= 1: tokens to the boundary
-            for layer in range(self.layout.num_layers):
-                self.conv_state[layer][dst] = conv_state_after(self._windows[layer][rows], j, width)
-                self.ssm_state[layer][dst] = self.spec_states[layer][src, j.long() - 1]
-        else:  # plain decode: the live state is canonical after every step
-            self.copy_slots(src, dst)
-
-    def begin_step(self, slots: torch.Tensor, num_tokens: torch.Tensor) -> None:
-        """Before the forward: the decode rows' slots (B,) int64 and tokens per row (B,) int32."""
-        self._windows = {}
-
-    def end_step(self, slots: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        """After sampling, once per step for all layers: tokens kept per decode row (B,) int32."""
-        self._accepted = num_accepted
-        for layer, window in self._windows.items():
-            self.conv_state[layer][slots] = conv_state_after(window, num_accepted, self.layout.conv_kernel - 1)
-
     def verify(
         self, layer: int, slots: torch.Tensor, xbc: torch.Tensor, dt: torch.Tensor, num_tokens: torch.Tensor,
         params: MambaParams,
@@ -206,17 +145,3 @@ class SSMBackend(ABC):
         xbc is already the conv's output and `conv_state[layer]` already advanced (the batch-1
         in_proj GEMV does both in its epilogue).
         """
-
-    def memory_bytes(self) -> int:
-        """Bytes of all state tensors this backend allocated."""
-        return sum(t.numel() * t.element_size() for t in self.state_tensors())
-
-    @abstractmethod
-    def state_tensors(self) -> list[torch.Tensor]:
-        """Every tensor that holds per-slot state."""
-
-
-def conv_state_after(window: torch.Tensor, j: torch.Tensor, width: int) -> torch.Tensor:
-    """The conv state after each row's first j tokens: window (B, D, K-1+T), j (B,) -> (B, D, width)."""
-    index = j.long()[:, None] + torch.arange(width, device=window.device)[None, :]
-    return window.gather(2, index[:, None, :].expand(-1, window.shape[1], -1))

@@ -1,4 +1,5 @@
-"""The one place that derives every Mamba state tensor's shape and dtype from the configs."""
+"""The one place that derives every recurrent state tensor's shape and dtype (Mamba2, Gated DeltaNet)
+from the configs."""
 
 from __future__ import annotations
 
@@ -148,3 +149,68 @@ class MambaShard:
         dt = list(range(inner + model.conv_dim + self.head_start, inner + model.conv_dim + self.head_start
                         + self.num_heads))
         return z + [inner + c for c in self.conv_channels(model)] + dt
+
+
+@dataclass(frozen=True)
+class GatedDeltaLayout:
+    """Per-slot Gated DeltaNet state geometry for all GDN layers of a model: per layer a conv
+    state over q, k and v (activation dtype) and a (Hv, K, V) recurrent state per slot."""
+
+    num_layers: int
+    num_slots: int
+    num_key_heads: int  # Hk: query and key heads
+    num_value_heads: int  # Hv: value heads, a multiple of Hk
+    key_dim: int  # K
+    value_dim: int  # V
+    conv_kernel: int
+    act_dtype: torch.dtype
+    state_dtype: torch.dtype
+    tokens_per_step: int = 1  # T: 1 for plain decode, 1 + k with k draft tokens
+
+    @classmethod
+    def from_config(cls, model: ModelConfig, num_slots: int, dtype: torch.dtype,
+                    tokens_per_step: int = 1) -> GatedDeltaLayout:
+        # As for Mamba2: the state accumulates over the whole sequence, so half-precision models keep
+        # it in float32 (the published checkpoints' `mamba_ssm_dtype`); wider dtypes keep their own.
+        return cls(
+            num_layers=model.num_gated_delta_layers,
+            num_slots=num_slots,
+            num_key_heads=model.linear_num_key_heads,
+            num_value_heads=model.linear_num_value_heads,
+            key_dim=model.linear_key_head_dim,
+            value_dim=model.linear_value_head_dim,
+            conv_kernel=model.linear_conv_kernel_dim,
+            act_dtype=dtype,
+            state_dtype=compute_dtype(dtype),
+            tokens_per_step=tokens_per_step,
+        )
+
+    @property
+    def qk_dim(self) -> int:
+        return self.num_key_heads * self.key_dim
+
+    @property
+    def v_dim(self) -> int:
+        return self.num_value_heads * self.value_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the depthwise conv: q, k and v concatenated."""
+        return 2 * self.qk_dim + self.v_dim
+
+    @property
+    def conv_state_shape(self) -> tuple[int, int, int]:
+        """(slots, conv_dim, K_conv - 1): the last K_conv - 1 pre-conv inputs, oldest first."""
+        return (self.num_slots, self.conv_dim, self.conv_kernel - 1)
+
+    @property
+    def ssm_state_shape(self) -> tuple[int, int, int, int]:
+        """(slots, Hv, K, V): each value head's key-by-value memory."""
+        return (self.num_slots, self.num_value_heads, self.key_dim, self.value_dim)
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(..., conv_dim) -> q (..., Hk, K), k (..., Hk, K), v (..., Hv, V)."""
+        q, k, v = qkv.split([self.qk_dim, self.qk_dim, self.v_dim], dim=-1)
+        lead = qkv.shape[:-1]
+        return (q.reshape(*lead, self.num_key_heads, self.key_dim), k.reshape(*lead, self.num_key_heads, self.key_dim),
+                v.reshape(*lead, self.num_value_heads, self.value_dim))

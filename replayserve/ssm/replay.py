@@ -14,9 +14,10 @@ import torch
 from replayserve.config import check_replay_window
 from replayserve.ops.conv1d import causal_conv1d_update
 from replayserve.ops.replay_ssm import replay_commit, replay_materialize, replay_prepare, replay_step
-from replayserve.ssm.backend import SSMBackend, conv_state_after
+from replayserve.ssm.backend import SSMBackend
 from replayserve.ssm.layout import MambaLayout
 from replayserve.ssm.params import MambaParams
+from replayserve.ssm.slot_state import conv_state_after
 
 
 class ReplayBackend(SSMBackend):
