@@ -13,8 +13,10 @@ from replayserve.ops.fp8_gemm import fp8_scaled_mm, scaled_mm_fits
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 F64 = torch.float64
-# The output is rounded once to out_dtype: its relative step, plus fp32 summation order.
-TOL = {torch.bfloat16: 8e-3, torch.float16: 1e-3, torch.float32: 1e-5}
+# The output is rounded once to out_dtype: its relative step, plus the sums' rounding. On the CPU the
+# sums are fp32; Hopper's FP8 tensor cores accumulate with fewer mantissa bits than fp32 (measured on
+# an H100: 1e-4 to 5e-4 relative at K = 256), which a float32 output then shows.
+TOL = {torch.bfloat16: 8e-3, torch.float16: 1e-3, torch.float32: 1e-3 if CUDA else 1e-5}
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -25,7 +25,9 @@ MAX_TOKENS = 256  # long enough that requests are still running when all 8 are a
 
 
 def _start(model_dir: Path, shutdown_timeout: float = 20) -> tuple[subprocess.Popen, str]:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    # The checkout first, then whatever the caller's PYTHONPATH holds (packages installed there).
+    path = [str(Path(__file__).resolve().parents[2]), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     proc = subprocess.Popen([sys.executable, "-m", "replayserve.cli", "serve", "--model", str(model_dir), "--port",
                              "0", "--served-model-name", "tiny", "--dtype", "float32", "--shutdown-timeout",
                              str(shutdown_timeout)],
