@@ -16,7 +16,8 @@ tokens nobody accepts, so MTP rows put `ControlledMTPProposer` in place of the e
 proposer: the MTP layers run every step on the same rows (their cost is real) and the drafts are
 the greedy path's (from the `--spec none` rows of the first backend and mode), each one corrupted
 with probability 1 - acceptance. "acc/draft" is accepted / reached drafts (what `--acceptance`
-sets), "acc rate" accepted / proposed drafts.
+sets: a row reaches its accepted drafts and the one it rejects), "acc rate" accepted / proposed
+drafts (lower: drafts after a rejected one are never reached).
 
 Columns: e2e tok/s is generated tokens over the wave's wall time (submit to last token, prefill
 included); decode tok/s counts the tokens after every request has its first one over that
@@ -62,6 +63,7 @@ from replayserve.engine.engine import Engine  # noqa: E402
 from replayserve.models.nemotron_h import NemotronHForCausalLM  # noqa: E402
 from replayserve.sampling_params import SamplingParams  # noqa: E402
 from replayserve.speculative.controlled import ControlledMTPProposer  # noqa: E402
+from replayserve.speculative.metrics import SpecMetrics  # noqa: E402
 from replayserve.speculative.mtp import MTPProposer  # noqa: E402
 from replayserve.speculative.proposers import DraftRequest, Proposer  # noqa: E402
 
@@ -99,8 +101,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA device")
-    if "mtp" in args.spec and "none" not in args.spec:
-        p.error("--spec mtp needs the no-spec rows too: they give the greedy path the MTP drafts follow")
     return args
 
 
@@ -136,6 +136,18 @@ class TimedProposer(Proposer):
         self.calls += 1
         self.rows += len(requests)
         return out
+
+
+class RejectionCounter(SpecMetrics):
+    """The engine's speculative counters, plus the verify rows that rejected a draft: a row
+    reaches its accepted drafts and, when it rejects, one more, so accepted / (accepted +
+    rejections) is the per-draft acceptance."""
+
+    rejections: int = 0
+
+    def record(self, drafted: dict[str, int], kept: dict[str, int]) -> None:
+        super().record(drafted, kept)
+        self.rejections += sum(kept[r] - 1 < k for r, k in drafted.items())
 
 
 def engine_config(model: NemotronHForCausalLM, args: argparse.Namespace, backend: str, mode: str,
@@ -187,16 +199,6 @@ def serve_wave(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dic
             **counters}
 
 
-def acceptance_per_draft(wave: dict) -> float | None:
-    """Accepted drafts over drafts reached (a row reaches draft i + 1 only by accepting draft i),
-    counting every row as proposing k drafts (rows near their end propose fewer: slightly low)."""
-    if not wave["spec_num_drafts"]:
-        return None
-    accepted = wave["accepted_per_position"]
-    reached = wave["spec_num_drafts"] + sum(accepted[:-1])
-    return sum(accepted) / reached
-
-
 def run_config(model: NemotronHForCausalLM, args: argparse.Namespace, backend: str, mode: str,
                acceptance: float | None, waves: list[list[list[int]]], paths: dict | None,
                rates: dict[str, float]) -> dict:
@@ -208,6 +210,7 @@ def run_config(model: NemotronHForCausalLM, args: argparse.Namespace, backend: s
     try:
         if not args.no_engine_warmup and args.device.startswith("cuda"):
             engine.warm_up()
+        counter = engine.spec_metrics = RejectionCounter()  # after the warm-up, which puts back its own
         if spec:  # after the warm-up, which drafts with proposers of its own
             assert isinstance(engine.proposer, MTPProposer) and paths is not None and acceptance is not None
             controlled = ControlledMTPProposer(engine.proposer, paths, acceptance, seed=args.seed + 1)
@@ -215,7 +218,9 @@ def run_config(model: NemotronHForCausalLM, args: argparse.Namespace, backend: s
         rows = []
         for w, prompts in enumerate(waves, start=1):
             calls, seconds, rows_drafted = (timed.calls, timed.seconds, timed.rows) if timed else (0, 0.0, 0)
+            rejections = counter.rejections
             result = serve_wave(engine, prompts, args.max_tokens)
+            rejections = counter.rejections - rejections
             row = {"backend": backend, "mode": mode, "spec": "mtp" if spec else "none", "acceptance": acceptance,
                    "wave": w, **{k: v for k, v in result.items() if k != "outputs"},
                    "e2e_tok_s": result["generated"] / result["e2e_s"],
@@ -227,7 +232,8 @@ def run_config(model: NemotronHForCausalLM, args: argparse.Namespace, backend: s
                 row["mtp_ms_per_step"] = 1e3 * (timed.seconds - seconds) / n
                 row["mtp_rows_per_step"] = (timed.rows - rows_drafted) / n
                 row.update(mtp_floor_ms(model, args, row["mtp_rows_per_step"], rates))
-            row["acceptance_per_draft"] = acceptance_per_draft(result)
+            accepted = result["spec_num_accepted_tokens"]
+            row["acceptance_per_draft"] = accepted / (accepted + rejections) if accepted + rejections else None
             row["outputs"] = result["outputs"]
             rows.append(row)
         return {"rows": rows}
@@ -313,14 +319,21 @@ def main(argv: list[str] | None = None) -> dict:
             args.out.write_text(json.dumps({"meta": meta, "rows": [{k: v for k, v in r.items() if k != "outputs"}
                                                                    for r in records]}, indent=2))
 
-    configs = [(b, m, None) for b in args.backends for m in args.modes] if "none" in args.spec else []
-    configs += [(b, m, a) for b in args.backends for m in args.modes for a in args.acceptance] \
-        if "mtp" in args.spec else []
-    for backend, mode, acceptance in configs:
+    # (backend, mode, acceptance (None: no spec), reported)
+    configs: list[tuple[str, str, float | None, bool]] = []
+    if "none" in args.spec:
+        configs += [(b, m, None, True) for b in args.backends for m in args.modes]
+    elif "mtp" in args.spec:  # MTP rows alone: an unreported no-spec engine first, for the greedy path
+        configs.append((args.backends[0], "off", None, False))
+    if "mtp" in args.spec:
+        configs += [(b, m, a, True) for b in args.backends for m in args.modes for a in args.acceptance]
+    for backend, mode, acceptance, reported in configs:
         try:
             rows = run_config(model, args, backend, mode, acceptance, waves, paths, rates)["rows"]
         except (RuntimeError, ValueError) as e:  # out of memory or a broken row: the others still run
             traceback.print_exc()
+            if not reported:
+                raise
             records.append({"backend": backend, "mode": mode, "spec": "none" if acceptance is None else "mtp",
                             "acceptance": acceptance, "skipped": f"{type(e).__name__}: {e}"})
             gc.collect()
@@ -333,9 +346,10 @@ def main(argv: list[str] | None = None) -> dict:
         for row in rows:
             want = reference[(row["wave"] - 1) * args.batch: row["wave"] * args.batch]
             row["same"] = sum(a == b for a, b in zip(row["outputs"], want, strict=True)) / args.batch
-        records += rows
-        print(f"done {backend} {mode} {'no spec' if acceptance is None else f'MTP {acceptance}'}", file=sys.stderr,
-              flush=True)
+        if reported:
+            records += rows
+        label = "reference (not reported)" if not reported else "no spec" if acceptance is None else f"MTP {acceptance}"
+        print(f"done {backend} {mode} {label}", file=sys.stderr, flush=True)
         save()
     print_table(records, meta)
     return {"meta": meta, "rows": records}

@@ -38,10 +38,26 @@ def test_bench_matrix_cpu_smoke(tmp_path: Path) -> None:
         # The set acceptance is what the engine measures: every draft kept at 1.0, none at 0.0.
         assert r["spec_num_draft_tokens"] > 0
         assert r["spec_num_accepted_tokens"] == (r["spec_num_draft_tokens"] if r["acceptance"] == 1.0 else 0)
+        assert r["acceptance_per_draft"] == r["acceptance"]
         assert r["tokens_per_row_step"] > 2.5 if r["acceptance"] == 1.0 else r["tokens_per_row_step"] == 1
         # The MTP layers ran every verify step, and their floor is counted.
         assert r["mtp_ms_per_step"] > 0 and 0 < r["mtp_floor_bytes_ms"] <= r["mtp_floor_ops_ms"]
         assert 1 <= r["mtp_rows_per_step"] <= 2
+
+
+def test_bench_matrix_mtp_rows_alone_follow_an_unreported_reference() -> None:
+    threads = torch.get_num_threads()
+    try:
+        result = bench_matrix.main(["--device", "cpu", "--size", "tiny", "--batch", "2", "--prompt-len", "16",
+                                    "--max-tokens", "24", "--modes", "none", "--backends", "replay", "--spec", "mtp",
+                                    "--acceptance", "0.5", "--k", "3", "--window", "4"])
+    finally:
+        torch.set_num_threads(threads)
+    rows = result["rows"]
+    assert [(r["backend"], r["mode"], r["spec"], r["wave"]) for r in rows] == [("replay", "none", "mtp", 1),
+                                                                               ("replay", "none", "mtp", 2)]
+    assert all(r["same"] == 1.0 and 0 < r["spec_num_accepted_tokens"] < r["spec_num_draft_tokens"] for r in rows)
+    assert all(0 < r["acceptance_per_draft"] < 1 for r in rows)
 
 
 def test_mtp_floor_counts_the_mtp_weights_and_lm_head_once_per_draft() -> None:
