@@ -33,6 +33,7 @@ with the greedy path ("same").
         --acceptance 0.9 0.6 --out nano.json         # the issue's table: batch 64, 2048 + 256 tokens
     python benchmarks/bench_matrix.py --device cpu --size tiny --batch 2 --prompt-len 32 --max-tokens 8
 
+`--mtp-graphs` replays the MTP draft loop from CUDA graphs (`speculative/mtp_graphs.py`, off by default).
 `--modes`, `--backends` and `--spec` split the matrix over several runs; `--out` is rewritten
 after every configuration, so a run cut short keeps what it measured.
 """
@@ -65,6 +66,7 @@ from replayserve.sampling_params import SamplingParams  # noqa: E402
 from replayserve.speculative.controlled import ControlledMTPProposer  # noqa: E402
 from replayserve.speculative.metrics import SpecMetrics  # noqa: E402
 from replayserve.speculative.mtp import MTPProposer  # noqa: E402
+from replayserve.speculative.mtp_graphs import DraftGraphs  # noqa: E402
 from replayserve.speculative.proposers import DraftRequest, Proposer  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -87,6 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--k", type=int, default=3, help="MTP drafts per step")
     p.add_argument("--acceptance", type=float, nargs="+", default=[0.9, 0.6], help="per-draft acceptance of MTP rows")
     p.add_argument("--mtp-window", type=int, default=256, help="positions the MTP attention sees")
+    p.add_argument("--mtp-graphs", action="store_true",
+                   help="MTP rows replay the draft loop from CUDA graphs (speculative/mtp_graphs.py; off by default)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--budget", type=int, default=16384, help="max_num_batched_tokens")
     p.add_argument("--state-slots", type=int, default=1,
@@ -101,6 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA device")
+    if args.mtp_graphs and not args.device.startswith("cuda"):
+        p.error("--mtp-graphs: CUDA graphs need --device cuda")
     return args
 
 
@@ -213,6 +219,9 @@ def run_config(model: NemotronHForCausalLM, args: argparse.Namespace, backend: s
         counter = engine.spec_metrics = RejectionCounter()  # after the warm-up, which puts back its own
         if spec:  # after the warm-up, which drafts with proposers of its own
             assert isinstance(engine.proposer, MTPProposer) and paths is not None and acceptance is not None
+            if args.mtp_graphs:
+                engine.proposer.draft_graphs = DraftGraphs(model, args.mtp_window, args.batch)
+                engine.proposer.draft_graphs.capture_all(args.k)
             controlled = ControlledMTPProposer(engine.proposer, paths, acceptance, seed=args.seed + 1)
             engine.proposer = timed = TimedProposer(controlled, engine.runner.device)
         rows = []

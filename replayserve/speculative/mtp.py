@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from replayserve.models.nemotron_h import NemotronHForCausalLM
 from replayserve.speculative.mtp_drafts import greedy_drafts
+from replayserve.speculative.mtp_graphs import DraftGraphs
 from replayserve.speculative.proposers import DraftRequest, Proposer
 
 
@@ -50,15 +51,21 @@ class MTPProposer(Proposer):
     fixed_shapes: pad every call's windows to `window` positions, so the draft loop's shapes
     depend only on the rows and drafts (what a CUDA graph of it needs) rather than on the longest
     context; None: on CUDA. Off, a batch of short contexts computes less.
+    draft_graphs: replays the loop from CUDA graphs (`mtp_graphs.DraftGraphs` of this window);
+    None (the default) runs it eagerly.
     """
 
     def __init__(self, model: NemotronHForCausalLM, store: HiddenStore, window: int = 256,
-                 fixed_shapes: bool | None = None) -> None:
+                 fixed_shapes: bool | None = None, draft_graphs: DraftGraphs | None = None) -> None:
         if not hasattr(model, "mtp"):
             raise ValueError("the model has no MTP layers (num_nextn_predict_layers = 0)")
         if window < 1:
             raise ValueError(f"MTPProposer window must be >= 1 position, got {window}")
+        if draft_graphs is not None and (draft_graphs.width != window or fixed_shapes is False):
+            raise ValueError(f"MTP draft graphs run fixed shapes of the proposer's window ({window} positions); "
+                             f"got graphs of width {draft_graphs.width} and fixed_shapes={fixed_shapes}")
         self.model, self.store, self.window, self.fixed_shapes = model, store, window, fixed_shapes
+        self.draft_graphs = draft_graphs
 
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
         return []  # needs the request's hidden states: see propose_request
@@ -106,9 +113,9 @@ class MTPProposer(Proposer):
     @torch.inference_mode()
     def propose_batch(self, requests: Sequence[DraftRequest]) -> dict[str, tuple[int, ...]]:
         """The drafts `propose_request` gives each request, for all of them at once: the windows
-        left-padded into (B, W) (W the window with `fixed_shapes`, else the longest row's), then
-        `greedy_drafts` on the device, read back once. Rows run the largest room and are cut to
-        their own."""
+        left-padded into (B, W) (W the window with `fixed_shapes` or `draft_graphs`, else the
+        longest row's), then `greedy_drafts` on the device (replayed from `draft_graphs` when
+        set), read back once. Rows run the largest room and are cut to their own."""
         drafts: dict[str, tuple[int, ...]] = {r.request_id: () for r in requests}
         rows = [(r, inputs) for r in requests if r.room > 0
                 and (inputs := self._inputs(r.request_id, r.token_ids)) is not None]
@@ -116,8 +123,10 @@ class MTPProposer(Proposer):
             return drafts
         windows = [(tokens, hidden) for _, (hidden, tokens) in rows]
         fixed = self.fixed_shapes if self.fixed_shapes is not None else windows[0][1].device.type == "cuda"
-        width = self.window if fixed else max(h.shape[0] for _, h in windows)
-        table = greedy_drafts(self.model, *self.pack_windows(windows, width), max(r.room for r, _ in rows))
+        width = self.window if fixed or self.draft_graphs is not None else max(h.shape[0] for _, h in windows)
+        inputs = self.pack_windows(windows, width)
+        k = max(r.room for r, _ in rows)
+        table = greedy_drafts(self.model, *inputs, k) if self.draft_graphs is None else self.draft_graphs(*inputs, k)
         for (r, _), row in zip(rows, table.tolist(), strict=True):  # the one host sync
             drafts[r.request_id] = tuple(row[: r.room])
         return drafts

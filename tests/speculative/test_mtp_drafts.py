@@ -20,9 +20,9 @@ from replayserve.speculative.proposers import DraftRequest
 STACKS = [("full_attention", "moe"), ("mlp", "full_attention"), ("full_attention", "full_attention")]
 
 
-def _model(path: Path, mtp_layers: tuple[str, ...], dtype: torch.dtype) -> NemotronHForCausalLM:
+def _model(path: Path, mtp_layers: tuple[str, ...], dtype: torch.dtype, device: str = "cpu") -> NemotronHForCausalLM:
     make_tiny(path, seed=11, layers="M*", num_nextn_predict_layers=1, mtp_layer_types=mtp_layers)
-    return load_model(path, dtype, torch.device("cpu"))
+    return load_model(path, dtype, torch.device(device))
 
 
 def _batches(model: NemotronHForCausalLM, store: HiddenStore, dtype: torch.dtype) -> list[list[DraftRequest]]:
