@@ -267,7 +267,9 @@ def print_table(records: list[dict], meta: dict) -> None:
     print(f"\n{meta['batch']} unique prompts x {meta['prompt_len']} tokens, {meta['max_tokens']} generated each, "
           f"two waves per engine; k = {meta['k']}; model {meta['size']} (MTP {meta['mtp_layers']}), "
           f"{meta['dtype']} on {meta['device_name']}; copy {meta['copy_gb_s']:.0f} GB/s, "
-          f"matmul {meta['matmul_tflop_s']:.1f} TFLOP/s")
+          f"matmul {meta['matmul_tflop_s']:.1f} TFLOP/s; no-spec rows "
+          f"{'synchronous' if meta['no_async'] else 'with async scheduling'}, MTP rows synchronous, "
+          f"MTP window {meta['mtp_window']}{', graphed' if meta['mtp_graphs'] else ''}")
     print("| backend | cache | spec | wave | e2e tok/s | decode tok/s | vs no-spec (e2e) | acc/draft (set) | "
           "acc rate | tokens/row-step | MTP ms/step | floor ms bytes / ops | of floor | hit rate | same |")
     print("|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -294,15 +296,17 @@ def print_table(records: list[dict], meta: dict) -> None:
         print(f"| {r['backend']} | {r['mode']} | {spec} | {r['wave']} | {r['e2e_tok_s']:.0f} | "
               f"{r['decode_tok_s']:.0f} | {vs} | {acc} | {rate} | {r['tokens_per_row_step']:.2f} | {mtp} | {floor} | "
               f"{of} | {hits:.0%} | {r['same']:.0%} |")
-    print("\nReplaySSM against baseline (e2e tok/s, wave 2):")
+    lines = []
     for r in records:
         if r.get("backend") == "replay" and r.get("wave") == 2 and "skipped" not in r:
             twin = next((b for b in records if b.get("backend") == "baseline" and "skipped" not in b
                          and (b["mode"], b["spec"], b["acceptance"], b["wave"]) ==
                          (r["mode"], r["spec"], r["acceptance"], 2)), None)
             if twin:
-                label = "none" if r["spec"] == "none" else f"MTP acc {r['acceptance']}"
-                print(f"  {r['mode']:5} {label:12} {r['e2e_tok_s'] / twin['e2e_tok_s'] - 1:+.1%}")
+                label = "no spec" if r["spec"] == "none" else f"MTP acc {r['acceptance']}"
+                lines.append(f"  {r['mode']:5} {label:12} {r['e2e_tok_s'] / twin['e2e_tok_s'] - 1:+.1%}")
+    if lines:
+        print("\nReplaySSM against baseline (e2e tok/s, wave 2):", *lines, sep="\n")
 
 
 def main(argv: list[str] | None = None) -> dict:
