@@ -92,7 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mtp-graphs", action="store_true",
                    help="MTP rows replay the draft loop from CUDA graphs (speculative/mtp_graphs.py; off by default)")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--budget", type=int, default=16384, help="max_num_batched_tokens")
+    p.add_argument("--budget", type=int, default=2048,
+                   help="max_num_batched_tokens (the engine default; the warm-up runs every MoE token count up to it)")
     p.add_argument("--state-slots", type=int, default=1,
                    help="boundary-state slots per request with align / all (num_mamba_cache_slots / batch)")
     p.add_argument("--window", type=int, help="replay_window (default: the engine's)")
