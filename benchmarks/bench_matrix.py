@@ -213,7 +213,7 @@ def run_config(model: NemotronHForCausalLM, args: argparse.Namespace, backend: s
     spec = acceptance is not None
     config = engine_config(model, args, backend, mode, spec)
     engine = assemble_engine(config, model, tokenizer=None)
-    timed = None
+    timed = controlled = None
     try:
         if not args.no_engine_warmup and args.device.startswith("cuda"):
             engine.warm_up()
@@ -248,7 +248,7 @@ def run_config(model: NemotronHForCausalLM, args: argparse.Namespace, backend: s
             rows.append(row)
         return {"rows": rows}
     finally:
-        del engine, timed
+        del engine, timed, controlled  # the graphs' memory pools go with the proposer
         gc.collect()
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -342,6 +342,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "mtp" in args.spec:
         configs += [(b, m, a, True) for b in args.backends for m in args.modes for a in args.acceptance]
     for backend, mode, acceptance, reported in configs:
+        rows = None
         try:
             rows = run_config(model, args, backend, mode, acceptance, waves, paths, rates)["rows"]
         except (RuntimeError, ValueError) as e:  # out of memory or a broken row: the others still run
@@ -350,9 +351,12 @@ def main(argv: list[str] | None = None) -> dict:
                 raise
             records.append({"backend": backend, "mode": mode, "spec": "none" if acceptance is None else "mtp",
                             "acceptance": acceptance, "skipped": f"{type(e).__name__}: {e}"})
+        if rows is None:
+            # The half-built engine lived in the exception's frames, gone only now: free its memory.
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+            save()
             continue
         if reference is None:  # the first no-spec engine's outputs: the greedy path of every prompt
             reference = rows[0]["outputs"] + rows[1]["outputs"]
