@@ -41,7 +41,8 @@ def test_bench_matrix_cpu_smoke(tmp_path: Path) -> None:
         assert r["acceptance_per_draft"] == r["acceptance"]
         assert r["tokens_per_row_step"] > 2.5 if r["acceptance"] == 1.0 else r["tokens_per_row_step"] == 1
         # The MTP layers ran every verify step, and their floor is counted.
-        assert r["mtp_ms_per_step"] > 0 and 0 < r["mtp_floor_bytes_ms"] <= r["mtp_floor_ops_ms"]
+        # (the ops floor charges each part at least its bytes: equal up to the order of the sums)
+        assert r["mtp_ms_per_step"] > 0 and 0 < r["mtp_floor_bytes_ms"] <= r["mtp_floor_ops_ms"] * (1 + 1e-9)
         assert 1 <= r["mtp_rows_per_step"] <= 2
 
 
