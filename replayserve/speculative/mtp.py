@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
+import torch.nn.functional as F
 
 from replayserve.models.nemotron_h import NemotronHForCausalLM
+from replayserve.speculative.mtp_drafts import greedy_drafts
+from replayserve.speculative.mtp_graphs import DraftGraphs
 from replayserve.speculative.proposers import DraftRequest, Proposer
 
 
@@ -41,17 +43,29 @@ class MTPProposer(Proposer):
     follow the target's rollbacks or prefix hits; a hit only shortens what it sees). Drafts do not
     change outputs: verification keeps them lossless.
 
-    `propose_batch` (what the engine calls) runs all requests of a step as one padded batch and
-    keeps the MTP attention's keys and values between a call's drafts, so draft j + 1 computes one
-    position per request; `propose_request` is its plain reference, one request at a time.
+    `propose_batch` (what the engine calls) runs all requests of a step as one padded batch on the
+    device (`greedy_drafts`: the MTP attention's keys and values kept between a call's drafts, so
+    draft j + 1 computes one position per request, and no host read until the drafts are made);
+    `propose_request` is its plain reference, one request at a time.
+
+    fixed_shapes: pad every call's windows to `window` positions, so the draft loop's shapes
+    depend only on the rows and drafts (what a CUDA graph of it needs) rather than on the longest
+    context; None: on CUDA. Off, a batch of short contexts computes less.
+    draft_graphs: replays the loop from CUDA graphs (`mtp_graphs.DraftGraphs` of this window);
+    None (the default) runs it eagerly.
     """
 
-    def __init__(self, model: NemotronHForCausalLM, store: HiddenStore, window: int = 256) -> None:
+    def __init__(self, model: NemotronHForCausalLM, store: HiddenStore, window: int = 256,
+                 fixed_shapes: bool | None = None, draft_graphs: DraftGraphs | None = None) -> None:
         if not hasattr(model, "mtp"):
             raise ValueError("the model has no MTP layers (num_nextn_predict_layers = 0)")
         if window < 1:
             raise ValueError(f"MTPProposer window must be >= 1 position, got {window}")
-        self.model, self.store, self.window = model, store, window
+        if draft_graphs is not None and (draft_graphs.width != window or fixed_shapes is False):
+            raise ValueError(f"MTP draft graphs run fixed shapes of the proposer's window ({window} positions); "
+                             f"got graphs of width {draft_graphs.width} and fixed_shapes={fixed_shapes}")
+        self.model, self.store, self.window, self.fixed_shapes = model, store, window, fixed_shapes
+        self.draft_graphs = draft_graphs
 
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
         return []  # needs the request's hidden states: see propose_request
@@ -84,33 +98,35 @@ class MTPProposer(Proposer):
             hidden = torch.cat([hidden, out[-1:]])
         return drafts
 
+    def pack_windows(self, rows: Sequence[tuple[Sequence[int], torch.Tensor]],
+                     width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows' windows (`_inputs`: tokens, hidden states) left-padded to `width` >= the longest:
+        hidden (B, width, hidden), ids (B, width) int64 and valid (B, width) bool, on the device."""
+        device = rows[0][1].device
+        hidden = torch.stack([F.pad(h, (0, 0, width - h.shape[0], 0)) for _, h in rows])
+        # Padding ids are any valid token: their positions are masked out of every real row.
+        ids = torch.tensor([[0] * (width - len(tokens)) + list(tokens) for tokens, _ in rows]).to(device)
+        lengths = torch.tensor([len(tokens) for tokens, _ in rows]).to(device)
+        valid = torch.arange(width, device=device) >= width - lengths[:, None]
+        return hidden, ids, valid
+
     @torch.inference_mode()
     def propose_batch(self, requests: Sequence[DraftRequest]) -> dict[str, tuple[int, ...]]:
         """The drafts `propose_request` gives each request, for all of them at once: the windows
-        left-padded into (B, W), the MTP stack run once per draft position (the first over the
-        windows, each later one over the previous draft alone, against the cached keys and
-        values), greedy picks kept on the device and read back once. Rows run the largest room
-        and are cut to their own."""
+        left-padded into (B, W) (W the window with `fixed_shapes` or `draft_graphs`, else the
+        longest row's), then `greedy_drafts` on the device (replayed from `draft_graphs` when
+        set), read back once. Rows run the largest room and are cut to their own."""
         drafts: dict[str, tuple[int, ...]] = {r.request_id: () for r in requests}
         rows = [(r, inputs) for r in requests if r.room > 0
                 and (inputs := self._inputs(r.request_id, r.token_ids)) is not None]
         if not rows:
             return drafts
-        width = max(hidden.shape[0] for _, (hidden, _) in rows)
-        hidden = pad_sequence([h for _, (h, _) in rows], batch_first=True, padding_side="left")
-        pads = [width - len(tokens) for _, (_, tokens) in rows]
-        # Padding ids are any valid token: their positions are masked out of every real row.
-        ids = torch.tensor([[0] * pad + list(tokens) for pad, (_, (_, tokens)) in zip(pads, rows, strict=True)])
-        valid = torch.arange(width) >= torch.tensor(pads)[:, None]
-        embed, device = self.model.backbone.embeddings, hidden.device
-        out, cache = self.model.mtp.forward_padded(embed(ids.to(device)), hidden, valid.to(device))
-        picks = []
-        for j in range(max(r.room for r, _ in rows)):
-            if j:  # the previous draft, fed its own output: one new position per row
-                out, cache = self.model.mtp.forward_padded(embed(picks[-1])[:, None], out[:, None],
-                                                           torch.ones_like(valid[:, :1], device=device), cache)
-            picks.append(self.model.compute_logits(out).argmax(-1))
-        table = torch.stack(picks, dim=1).tolist()  # the one host sync
-        for (r, _), row in zip(rows, table, strict=True):
+        windows = [(tokens, hidden) for _, (hidden, tokens) in rows]
+        fixed = self.fixed_shapes if self.fixed_shapes is not None else windows[0][1].device.type == "cuda"
+        width = self.window if fixed or self.draft_graphs is not None else max(h.shape[0] for _, h in windows)
+        inputs = self.pack_windows(windows, width)
+        k = max(r.room for r, _ in rows)
+        table = greedy_drafts(self.model, *inputs, k) if self.draft_graphs is None else self.draft_graphs(*inputs, k)
+        for (r, _), row in zip(rows, table.tolist(), strict=True):  # the one host sync
             drafts[r.request_id] = tuple(row[: r.room])
         return drafts

@@ -1,0 +1,81 @@
+"""The MTP draft loop on the device (`greedy_drafts`) at fixed shapes: the same drafts as the
+loop over the longest row's width and as the per-request reference, in float32 and float64,
+over batches of every kind of row; no host read inside it; shapes fixed by rows and drafts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from replayserve.builtin.tiny import make_tiny
+from replayserve.models.loader import load_model
+from replayserve.models.nemotron_h import NemotronHForCausalLM
+from replayserve.speculative import mtp as mtp_module
+from replayserve.speculative.mtp import HiddenStore, MTPProposer
+from replayserve.speculative.mtp_drafts import greedy_drafts
+from replayserve.speculative.proposers import DraftRequest
+
+STACKS = [("full_attention", "moe"), ("mlp", "full_attention"), ("full_attention", "full_attention")]
+
+
+def _model(path: Path, mtp_layers: tuple[str, ...], dtype: torch.dtype, device: str = "cpu") -> NemotronHForCausalLM:
+    make_tiny(path, seed=11, layers="M*", num_nextn_predict_layers=1, mtp_layer_types=mtp_layers)
+    return load_model(path, dtype, torch.device(device))
+
+
+def _batches(model: NemotronHForCausalLM, store: HiddenStore, dtype: torch.dtype) -> list[list[DraftRequest]]:
+    """Three batches: mixed lengths (shorter and longer than the window, a late-starting run) and
+    rooms 1 to 4, one row alone, and the same requests a few tokens on."""
+    gen = torch.Generator().manual_seed(2)
+    vocab, width = model.config.vocab_size, model.config.hidden_size
+    rows = {}
+    for rid, length, start, room in [("a", 40, 0, 3), ("b", 7, 0, 1), ("c", 25, 18, 4), ("d", 19, 0, 2),
+                                     ("e", 33, 5, 3)]:
+        tokens = torch.randint(3, vocab, (length + 4,), generator=gen).tolist()
+        # Hidden states of every computed position up to the end of `tokens`, recorded once.
+        store.record(rid, start, torch.randn(length + 3 - start, width, generator=gen, dtype=torch.float64).to(dtype))
+        rows[rid] = (tokens, length, room)
+    first = [DraftRequest(rid, t[:n], room) for rid, (t, n, room) in rows.items()]
+    later = [DraftRequest(rid, t[: n + 4], room) for rid, (t, n, room) in rows.items() if rid != "b"]
+    return [first, [first[2]], later]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mtp_layers", STACKS)
+def test_fixed_shape_drafts_equal_the_eager_paths(tmp_path: Path, mtp_layers: tuple[str, ...],
+                                                  dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model(tmp_path, mtp_layers, dtype)
+    store = HiddenStore()
+    fixed = MTPProposer(model, store, window=16, fixed_shapes=True)
+    longest = MTPProposer(model, store, window=16, fixed_shapes=False)
+    widths: list[tuple[int, ...]] = []
+    loop = mtp_module.greedy_drafts
+    monkeypatch.setattr(mtp_module, "greedy_drafts",
+                        lambda m, hidden, *rest: (widths.append(tuple(hidden.shape[:2])), loop(m, hidden, *rest))[1])
+    for batch in _batches(model, store, dtype):
+        want = {r.request_id: tuple(fixed.propose_request(*r)) for r in batch}
+        assert all(want.values())
+        widths.clear()
+        assert fixed.propose_batch(batch) == want
+        assert widths == [(len(batch), 16)]  # the window, whatever the rows' lengths
+        widths.clear()
+        assert longest.propose_batch(batch) == want
+        assert widths == [(len(batch), max(len(fixed._inputs(r.request_id, r.token_ids)[1]) for r in batch))]
+
+
+def test_the_draft_loop_reads_nothing_back_to_the_host(tmp_path: Path) -> None:
+    """On the meta device any read of a value (.item(), .tolist(), a data-dependent shape) raises:
+    the loop runs there, so it has no host sync to stall a device stream or break a graph capture.
+    (Dense MTP blocks: the reference MoE expert loop reads its routing on the host; on CUDA the
+    Triton MoE does not.)"""
+    model = _model(tmp_path, ("full_attention", "mlp"), torch.float32).to("meta")
+    b, w, k = 3, 8, 4
+    hidden = torch.empty(b, w, model.config.hidden_size, device="meta")
+    ids = torch.empty(b, w, dtype=torch.int64, device="meta")
+    valid = torch.empty(b, w, dtype=torch.bool, device="meta")
+    drafts = greedy_drafts(model, hidden, ids, valid, k)
+    assert drafts.shape == (b, k) and drafts.dtype == torch.int64
+    with pytest.raises(Exception):  # noqa: B017 - the check itself: a host read on meta raises
+        drafts.tolist()
