@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from replayserve.config import EngineConfig
-from replayserve.engine.engine import Engine, validate_request
+from replayserve.engine.engine import Engine
+from replayserve.engine.request_checks import validate_request
 from replayserve.sampling_params import SamplingParams
 from replayserve.server.core_messages import Abort, AddRequest, CoreOutputs, ToCore, TokenOutput, params_to_dict
 from replayserve.server.detokenize import IncrementalDetokenizer
