@@ -78,13 +78,15 @@ def token(batch: int, device: str, gen: torch.Generator, tokens: int | None = No
 def replay_pool(batch: int, window: int, device: str, gen: torch.Generator,
                 history: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """A ReplaySSM-GDN pool of `batch` slots with random rings and origins; histories spread over
-    0..W-1 (a typical fill) unless given; nothing flushing; rows on permuted slots."""
+    0..W-1 (a typical fill) unless given; nothing flushing; rows on permuted slots. The large tensors
+    are drawn on the device (torch's seeded generator there: a GiB of state drawn on the host takes
+    seconds), the cursors with `gen`."""
     ring = window + 1
-    pool = {"state": torch.randn(batch, HV, DK, DV, generator=gen) * 0.1,
-            "k_ring": torch.randn(batch, HK, ring, DK, generator=gen).to(ACT),
-            "v_ring": torch.randn(batch, HV, ring, DV, generator=gen).to(ACT),
-            "g_ring": -torch.rand(batch, HV, ring, generator=gen) * 0.3,
-            "beta_ring": torch.rand(batch, HV, ring, generator=gen),
+    pool = {"state": torch.randn(batch, HV, DK, DV, device=device) * 0.1,
+            "k_ring": torch.randn(batch, HK, ring, DK, device=device).to(ACT),
+            "v_ring": torch.randn(batch, HV, ring, DV, device=device).to(ACT),
+            "g_ring": -torch.rand(batch, HV, ring, device=device) * 0.3,
+            "beta_ring": torch.rand(batch, HV, ring, device=device),
             "ring_start": torch.randint(0, ring, (batch,), generator=gen, dtype=torch.int32),
             "history": (torch.randperm(batch, generator=gen) % window).to(torch.int32) if history is None else history,
             "is_flush": torch.zeros(batch, dtype=torch.bool), "slots": torch.randperm(batch, generator=gen)}
@@ -110,7 +112,9 @@ def flush_call(pool: dict[str, torch.Tensor]) -> Call:
 
 def fla_call(fla: Callable, state: torch.Tensor, x: dict[str, torch.Tensor]) -> Call:
     q, k, v, g, beta = (x[n][:, None] for n in ("q", "k", "v", "g", "beta"))  # (B, T=1, ...)
-    return lambda: fla(q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    # By keyword: fla's positional arguments after g are the per-channel decays gk and gv.
+    return lambda: fla(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
+                       use_qk_l2norm_in_kernel=True)
 
 
 def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -243,6 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path, help="write the result as JSON here")
     args = p.parse_args(argv)
     gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
     fla = import_fla() if args.device.startswith("cuda") else None
     checks = check(args.window, args.device, fla, gen)
     print("check at batch 4 (histories 0, W/3, 2W/3, W-1), max abs difference from the float64 reference / ours:")
