@@ -26,6 +26,9 @@ slots are sized for its batch and lengths, and freed before the next row.
         [--batch 1 16 64 256 512 --repeats 5]                                         # ~3.5 min
     python benchmarks/bench_e2e.py --device cpu --size small     # float32, under a minute
     python benchmarks/bench_e2e.py --device cuda --size nemotron-h-8b --quantization none fp8   # bf16 vs FP8
+    python benchmarks/bench_e2e.py --device cuda --size qwen3.5-9b --batch 1 256 --prompt-len 4 --skip-prefill
+        # Gated DeltaNet (benchmarks/run_gdn_gpu.sh); a backend the engine refuses for a model (ReplaySSM
+        # for GDN layers, for now) gets a row that says so
 
 Backend names: `baseline` or `replay` (the SSM backend), `-eager` runs decode without CUDA
 graphs, `-async` with async scheduling (the host plans and launches step N + 1 while the GPU
@@ -58,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from e2e_report import plot, print_tables  # noqa: E402
 from roofline import STATE_PARTS, decode_ops, floors, measure_rates, prefill_flops  # noqa: E402
-from shapes import SIZES, model_config, random_model  # noqa: E402
+from shapes import FAMILY, SIZES, model_config, random_model  # noqa: E402
 
 from replayserve.build import assemble_engine  # noqa: E402
 from replayserve.config import ConfigError, EngineConfig  # noqa: E402
@@ -123,6 +126,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, name, gpu if cuda else cpu)
     if cuda and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA device")
+    if args.hf and args.size in FAMILY:
+        p.error(f"--hf times transformers' NemotronH: {args.size} is a {FAMILY[args.size]} shape")
     # The FP8 rows quantize the model in place, so the 16-bit rows go first whatever the order given.
     args.quantization = [q for q in QUANTIZATIONS if q in args.quantization]
     return args

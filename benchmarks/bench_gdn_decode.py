@@ -173,20 +173,24 @@ def check(window: int, device: str, fla: Callable | None, gen: torch.Generator) 
 
 
 def time_calls(calls: list[Call], device: str, graph: bool, iters: int) -> float:
-    """Median over `iters` of the mean us per call of one pass over `calls` (each call once)."""
+    """Median over `iters` of the mean us per call of one pass over `calls` (each call once); with `graph`
+    a CUDA graph of the pass is replayed, or, where capture fails, the pass runs eagerly (said on stderr)."""
     for f in calls:  # compile, warm up
         f()
-    run: Call
+
+    def run() -> None:
+        for f in calls:
+            f()
+
     if graph and device.startswith("cuda"):
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for f in calls:
-                f()
-        run = g.replay
-    else:
-        def run() -> None:
-            for f in calls:
-                f()
+        try:
+            with torch.cuda.graph(g):
+                run()
+            run = g.replay  # type: ignore[assignment]
+        except RuntimeError as e:  # one variant that cannot be captured must not lose the others
+            print(f"CUDA graph capture failed ({str(e)[:200]}): timed eagerly", file=sys.stderr)
+            torch.cuda.synchronize()
     run()
     times = []
     for _ in range(iters):
