@@ -6,10 +6,12 @@ bf16 activations and fp32 state, side by side at each batch:
 - fla: flash-linear-attention's ``fused_recurrent_gated_delta_rule`` (fla-core 0.6.0, CUDA only), the
   rows' states in, their final states out (a new tensor each call: the same bytes as in place);
 - replay read: ``replay_gdn_step`` (T = 1, window W) with a typical ring fill, the rows' histories spread
-  over 0..W-1, none flushing: the checkpoint read once, the history replayed, the token appended;
+  over 1..W as in the steady state (a row's history cycles through 1..W and it flushes at W), none
+  flushing here: the checkpoint read once, the history replayed, the token appended;
 - flush: the fold of W ring entries into every row's checkpoint (``replay_gdn_materialize`` with
   src = dst, what a flush step runs for its rows);
-- replay: read + flush / W, the steady state per step (each row flushes once every W steps).
+- replay: read + flush / W, the steady state per step (each row flushes once every W steps; on its
+  flush step the read replays the same W + 1 entries, so the fold is the only extra work).
 
 us per call (CUDA events; ``--graph`` times CUDA-graph replays, as the engine runs decode), GB/s of a
 bytes model (below) against the device-to-device copy bandwidth measured as ``bench_e2e`` does
@@ -20,7 +22,7 @@ and a variant that disagrees stops the run.
 
 Bytes per row (state S = Hv K V fp32, entry = k (Hk K) + v (Hv V) bf16 + g, beta (Hv) fp32; inputs are
 q, k, v, g, beta in and o out): ours and fla 2 S + inputs; replay read S + (mean history + 1) entries +
-inputs; flush 2 S + W entries.
+inputs; flush 2 S + W entries (the mean history is (W + 1) / 2, as ``roofline`` counts it).
 
     python benchmarks/bench_gdn_decode.py --graph [--batch 1 8 64 256 512] [--window 32] [--out r.json]
     python benchmarks/bench_gdn_decode.py --device cpu --batch 1 2 --iters 2   # the references, seconds
@@ -78,7 +80,7 @@ def token(batch: int, device: str, gen: torch.Generator, tokens: int | None = No
 def replay_pool(batch: int, window: int, device: str, gen: torch.Generator,
                 history: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """A ReplaySSM-GDN pool of `batch` slots with random rings and origins; histories spread over
-    0..W-1 (a typical fill) unless given; nothing flushing; rows on permuted slots. The large tensors
+    1..W (the steady state) unless given; nothing flushing; rows on permuted slots. The large tensors
     are drawn on the device (torch's seeded generator there: a GiB of state drawn on the host takes
     seconds), the cursors with `gen`."""
     ring = window + 1
@@ -88,7 +90,8 @@ def replay_pool(batch: int, window: int, device: str, gen: torch.Generator,
             "g_ring": -torch.rand(batch, HV, ring, device=device) * 0.3,
             "beta_ring": torch.rand(batch, HV, ring, device=device),
             "ring_start": torch.randint(0, ring, (batch,), generator=gen, dtype=torch.int32),
-            "history": (torch.randperm(batch, generator=gen) % window).to(torch.int32) if history is None else history,
+            "history": (torch.randperm(batch, generator=gen) % window + 1).to(torch.int32) if history is None
+            else history,
             "is_flush": torch.zeros(batch, dtype=torch.bool), "slots": torch.randperm(batch, generator=gen)}
     return {n: t.to(device) for n, t in pool.items()}
 
@@ -122,12 +125,12 @@ def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check(window: int, device: str, fla: Callable | None, gen: torch.Generator) -> dict[str, dict[str, float]]:
-    """Every variant on the same 4 rows, whose histories are 0, W/3, 2W/3 and W - 1 ring entries: the
+    """Every variant on the same 4 rows, whose histories are 0, W/3, 2W/3 and W ring entries: the
     max abs difference of its output o (and of the state it writes) from the float64 reference and
     from ours, and the relative error. The baseline rows start from the state the replay rows'
     checkpoint and history reach (computed token by token in float64)."""
     batch = 4
-    history = torch.tensor([0, window // 3, 2 * window // 3, window - 1], dtype=torch.int32)
+    history = torch.tensor([0, window // 3, 2 * window // 3, window], dtype=torch.int32)
     pool = replay_pool(batch, window, device, gen, history)
     ring = window + 1
     reached = []  # the state after each slot's history, float64
@@ -235,7 +238,7 @@ def measure(batch: int, args: argparse.Namespace, fla: Callable | None, gen: tor
 
 
 def bytes_per_row(window: int) -> dict[str, float]:
-    read = STATE_BYTES + ((window - 1) / 2 + 1) * ENTRY_BYTES + INPUT_BYTES  # mean history (W - 1) / 2
+    read = STATE_BYTES + ((window + 1) / 2 + 1) * ENTRY_BYTES + INPUT_BYTES  # mean history (W + 1) / 2
     flush = 2 * STATE_BYTES + window * ENTRY_BYTES
     return {"ours": 2 * STATE_BYTES + INPUT_BYTES, "fla": 2 * STATE_BYTES + INPUT_BYTES, "replay read": read,
             "flush": flush, "replay": read + flush / window}
@@ -254,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     fla = import_fla() if args.device.startswith("cuda") else None
     checks = check(args.window, args.device, fla, gen)
-    print("check at batch 4 (histories 0, W/3, 2W/3, W-1), max abs difference from the float64 reference / ours:")
+    print("check at batch 4 (histories 0, W/3, 2W/3, W), max abs difference from the float64 reference / ours:")
     for name, r in checks.items():
         parts = [f"o {r['o_abs_vs_ref64']:.2e} / {r['o_abs_vs_ours']:.2e} (rel {r['o_rel_vs_ref64']:.1e})"
                  if "o_abs_vs_ref64" in r else "",
