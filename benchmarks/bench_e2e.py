@@ -26,6 +26,9 @@ slots are sized for its batch and lengths, and freed before the next row.
         [--batch 1 16 64 256 512 --repeats 5]                                         # ~3.5 min
     python benchmarks/bench_e2e.py --device cpu --size small     # float32, under a minute
     python benchmarks/bench_e2e.py --device cuda --size nemotron-h-8b --quantization none fp8   # bf16 vs FP8
+    python benchmarks/bench_e2e.py --device cuda --size qwen3.5-9b --batch 1 256 --prompt-len 4 --skip-prefill
+        # Gated DeltaNet (benchmarks/run_gdn_gpu.sh); a backend the engine refuses for a model (ReplaySSM
+        # for GDN layers, for now) gets a row that says so
 
 Backend names: `baseline` or `replay` (the SSM backend), `-eager` runs decode without CUDA
 graphs, `-async` with async scheduling (the host plans and launches step N + 1 while the GPU
@@ -58,10 +61,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from e2e_report import plot, print_tables  # noqa: E402
 from roofline import STATE_PARTS, decode_ops, floors, measure_rates, prefill_flops  # noqa: E402
-from shapes import SIZES, model_config, random_model  # noqa: E402
+from shapes import FAMILY, SIZES, model_config, random_model  # noqa: E402
 
 from replayserve.build import assemble_engine  # noqa: E402
-from replayserve.config import EngineConfig  # noqa: E402
+from replayserve.config import ConfigError, EngineConfig  # noqa: E402
 from replayserve.engine.engine import Engine  # noqa: E402
 from replayserve.engine.request import Status  # noqa: E402
 from replayserve.layers.mlp import MoE  # noqa: E402
@@ -70,7 +73,7 @@ from replayserve.models.nemotron_h import NemotronHForCausalLM  # noqa: E402
 from replayserve.models.quantization import QuantConfig  # noqa: E402
 from replayserve.quantize import nemotron_h_default_excludes  # noqa: E402
 from replayserve.sampling_params import SamplingParams  # noqa: E402
-from replayserve.ssm.layout import MambaLayout  # noqa: E402
+from replayserve.ssm.layout import GatedDeltaLayout, MambaLayout  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("none", "fp8")
@@ -123,6 +126,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, name, gpu if cuda else cpu)
     if cuda and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA device")
+    if args.hf and args.size in FAMILY:
+        p.error(f"--hf times transformers' NemotronH: {args.size} is a {FAMILY[args.size]} shape")
     # The FP8 rows quantize the model in place, so the 16-bit rows go first whatever the order given.
     args.quantization = [q for q in QUANTIZATIONS if q in args.quantization]
     return args
@@ -171,7 +176,7 @@ def ssm_backend(backend: str) -> str:
 
 
 def resident_bytes(model: NemotronHForCausalLM, config: EngineConfig) -> int:
-    """Device memory an engine allocates beside the weights: Mamba slots and the KV cache."""
+    """Device memory an engine allocates beside the weights: Mamba2 and Gated DeltaNet slots and the KV cache."""
     m, dtype = config.model, model.backbone.embeddings.weight.dtype
     window = config.resolved_replay_window if config.ssm_backend == "replay" else 0
     layout = MambaLayout.from_config(m, config.max_num_seqs, dtype, window=window)
@@ -180,6 +185,14 @@ def resident_bytes(model: NemotronHForCausalLM, config: EngineConfig) -> int:
         shapes += [(layout.x_ring_shape, layout.act_dtype), (layout.dt_ring_shape, layout.state_dtype),
                    (layout.b_ring_shape, layout.act_dtype)]
     mamba = layout.num_layers * sum(math.prod(s) * d.itemsize for s, d in shapes)
+    gdn = GatedDeltaLayout.from_config(m, config.max_num_seqs, dtype)
+    gdn_shapes = [(gdn.conv_state_shape, gdn.act_dtype), (gdn.ssm_state_shape, gdn.state_dtype)]
+    if window:  # ops/replay_gdn.py's rings: k per key head, v per value head, g and beta per value head
+        slots, ring = config.max_num_seqs, window + 1
+        gdn_shapes += [((slots, gdn.num_key_heads, ring, gdn.key_dim), gdn.act_dtype),
+                       ((slots, gdn.num_value_heads, ring, gdn.value_dim), gdn.act_dtype),
+                       ((2, slots, gdn.num_value_heads, ring), gdn.state_dtype)]
+    mamba += gdn.num_layers * sum(math.prod(s) * d.itemsize for s, d in gdn_shapes)
     kv = (2 * m.num_attention_layers * config.resolved_num_kv_blocks * config.block_size * m.num_key_value_heads
           * m.head_dim * dtype.itemsize)
     return mamba + kv
@@ -190,7 +203,8 @@ def fits(model: NemotronHForCausalLM, config: EngineConfig, device: torch.device
     if device.type != "cuda":
         return None
     m = config.model
-    widths = max(m.intermediate_size, 2 * m.mamba_intermediate_size + 2 * m.n_groups * m.ssm_state_size)
+    widths = max(m.intermediate_size, 2 * m.mamba_intermediate_size + 2 * m.n_groups * m.ssm_state_size,
+                 2 * m.gated_delta_conv_dim + m.linear_num_value_heads * m.linear_value_head_dim)
     activations = 6 * config.max_num_batched_tokens * widths * model.backbone.embeddings.weight.element_size()
     need, free = resident_bytes(model, config) + activations, torch.cuda.mem_get_info(device)[0]
     return None if need < 0.95 * free else f"needs ~{need / GiB:.1f} GiB, {free / GiB:.1f} GiB free"
@@ -204,6 +218,16 @@ def gpu_ms_by_step(kernels: list, marker: str, per_step: int) -> list[float]:
     starts = [i for i, e in enumerate(ordered) if e.name == marker][::per_step]
     spans = zip(starts[:-1], starts[1:], strict=True)  # the last step has no next start: left out
     return [sum(e.time_range.elapsed_us() for e in ordered[a:b]) / 1e3 for a, b in spans]
+
+
+def step_marker(config: EngineConfig) -> tuple[str, int]:
+    """(the kernel each recurrent layer launches once per decode step, recurrent layers): Mamba2's state
+    update, else the Gated DeltaNet step (the baseline's Triton kernel; where the backend runs the
+    reference ops there is none, and the profile has no per-step split)."""
+    m, replay = config.model, config.ssm_backend == "replay"
+    if m.num_mamba_layers:
+        return ("_replay_step_kernel" if replay else "_ssu_kernel"), m.num_mamba_layers
+    return ("_replay_gdn_read_kernel" if replay else "_gated_delta_kernel"), m.num_gated_delta_layers
 
 
 def profile_steps(engine: Engine, steps: int, sync: Callable[[], None]) -> dict:
@@ -232,8 +256,7 @@ def profile_steps(engine: Engine, steps: int, sync: Callable[[], None]) -> dict:
     for e in kernels:
         by_kernel[e.name[:90]] += e.time_range.elapsed_us() / 1e3 / steps
         count_by_kernel[e.name[:90]] += 1 / steps
-    marker = "_replay_step_kernel" if engine.config.ssm_backend == "replay" else "_ssu_kernel"
-    return {"gpu_ms_by_step": gpu_ms_by_step(kernels, marker, engine.config.model.num_mamba_layers),
+    return {"gpu_ms_by_step": gpu_ms_by_step(kernels, *step_marker(engine.config)),
             "top_kernels_ms": dict(by_kernel.most_common(40)),
             "top_kernel_counts": dict(count_by_kernel.most_common(40)),
             "profiled_step_ms": 1e3 * wall / steps, "gpu_ms_per_step": 1e3 * gpu_s / steps, "gpu_busy": gpu_s / wall,
@@ -450,6 +473,8 @@ def timed_rows(model: NemotronHForCausalLM, args: argparse.Namespace, rates: dic
             except torch.OutOfMemoryError:
                 free_memory(device)
                 row = {"backend": backend, "batch": batch, "skipped": "out of device memory"}
+            except ConfigError as e:  # e.g. ReplaySSM on a model whose layers it does not serve yet
+                row = {"backend": backend, "batch": batch, "skipped": f"refused: {e}"}
             except RuntimeError as e:  # a broken row must not lose the others
                 traceback.print_exc()
                 print(f"decode {backend}{tag} batch {batch} FAILED: {e}", file=sys.stderr)
@@ -464,6 +489,9 @@ def timed_rows(model: NemotronHForCausalLM, args: argparse.Namespace, rates: dic
             free_memory(device)
             row = {"backend": backend, "prompts": args.prefill_prompts, "prompt_len": args.prefill_len,
                    "ttft_len": args.ttft_len, "prefill_skipped": "out of device memory"}
+        except ConfigError as e:
+            row = {"backend": backend, "prompts": args.prefill_prompts, "prompt_len": args.prefill_len,
+                   "ttft_len": args.ttft_len, "prefill_skipped": f"refused: {e}"}
         result["prefill"].append({**row, "backend": backend + tag})
         print(f"done prefill {backend}{tag}", file=sys.stderr, flush=True)
         save()

@@ -48,6 +48,9 @@ def print_tables(result: dict) -> None:
         print("\n| backend | prefill | tokens/s | MFU | TTFT ms | TTFT tokens/s | TTFT MFU |")
         print("|---|---|---:|---:|---:|---:|---:|")
     for r in result["prefill"]:
+        if r.get("prefill_skipped", "").startswith("refused"):  # the engine refused the backend: no TTFT row either
+            print(f"| {r['backend']} | {r['prompts']} x {r['prompt_len']} | {r['prefill_skipped']} |" + " |" * 4)
+            continue
         ttft = statistics.median(r["ttft_s"]) if "ttft_s" in r else None
         print(f"| {r['backend']} | {r['prompts']} x {r['prompt_len']} | {fmt(r.get('prefill_tok_s'), '.0f')} | "
               f"{fmt(r.get('prefill_mfu'), '.1%')} | {fmt(ttft, '.1f', 1e3)} ({r['ttft_len']} tokens) | "

@@ -1,11 +1,13 @@
 """Hardware rates measured in the run, and the bytes and FLOPs of a model's decode step and prefill.
 
 A decode step's floor counts what must cross memory once: every weight (the embedding table only
-for the batch's rows, experts only those a batch can route to), each Mamba layer's state as the
-backend moves it, and each attention layer's KV cache at the rows' context lengths. State bytes
-are derived from `replayserve.ssm.layout.MambaLayout`, the engine's own state geometry; the
-ReplaySSM count is `bench_ssm_decode`'s: checkpoint read, 1/W written, the mean history of
-(W + 1) / 2 ring entries read plus one appended. Activations are left out.
+for the batch's rows, experts only those a batch can route to), each Mamba2 or Gated DeltaNet layer's
+state as the backend moves it, and each attention layer's KV cache at the rows' context lengths.
+State bytes are derived from `replayserve.ssm.layout` (`MambaLayout`, `GatedDeltaLayout`), the
+engine's own state geometry; the ReplaySSM count is `bench_ssm_decode`'s: checkpoint read, 1/W
+written, the mean history of (W + 1) / 2 ring entries read plus one appended (a GDN ring entry is
+`ops/replay_gdn.py`'s: k per key head, v per value head, g and beta per value head). Activations
+are left out.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from torch import nn
 from replayserve.config import ATTENTION, MOE
 from replayserve.layers.fp8_linear import FP8Linear
 from replayserve.models.nemotron_h import NemotronHForCausalLM
-from replayserve.ssm.layout import MambaLayout
+from replayserve.ssm.layout import GatedDeltaLayout, MambaLayout
 
 
 def _median_seconds(fn: Callable[[], object], device: torch.device, reps: int = 10) -> float:
@@ -119,6 +121,20 @@ def mamba_bytes_per_row(model: NemotronHForCausalLM, backend: str, window: int) 
             "rings": layout.num_layers * entry * ((window + 1) / 2 + 1)}
 
 
+def gdn_bytes_per_row(model: NemotronHForCausalLM, backend: str, window: int) -> dict[str, float]:
+    """Per decode row and step, summed over Gated DeltaNet layers: 'state' ((Hv, K, V) state and conv
+    state) and 'rings' (ReplaySSM: k, v, g and beta of the ring entries read and appended)."""
+    layout = GatedDeltaLayout.from_config(model.config, 1, model.backbone.embeddings.weight.dtype)
+    state = _nbytes(layout.ssm_state_shape, layout.state_dtype)
+    conv = 2 * _nbytes(layout.conv_state_shape, layout.act_dtype)
+    if backend != "replay":
+        return {"state": layout.num_layers * (2 * state + conv), "rings": 0.0}
+    entry = (layout.qk_dim + layout.v_dim) * layout.act_dtype.itemsize \
+        + 2 * layout.num_value_heads * layout.state_dtype.itemsize
+    return {"state": layout.num_layers * (state * (1 + 1 / window) + conv),
+            "rings": layout.num_layers * entry * ((window + 1) / 2 + 1)}
+
+
 def kv_bytes(model: NemotronHForCausalLM, context_lens: list[float]) -> float:
     """K and V of every attention layer read at each row's context, plus the new token written."""
     cfg = model.config
@@ -127,14 +143,15 @@ def kv_bytes(model: NemotronHForCausalLM, context_lens: list[float]) -> float:
 
 
 # The non-weight parts of a decode step, as `decode_ops` names them.
-STATE_PARTS = ("mamba state", "replay rings", "kv cache")
+STATE_PARTS = ("mamba state", "gdn state", "replay rings", "kv cache")
 
 
 def decode_ops(model: NemotronHForCausalLM, backend: str, window: int, context_lens: list[float]) -> list[Op]:
     """Everything one decode step of len(context_lens) rows must move or compute."""
     rows = len(context_lens)
-    mamba = mamba_bytes_per_row(model, backend, window)
-    parts = (rows * mamba["state"], rows * mamba["rings"], kv_bytes(model, context_lens))
+    mamba, gdn = mamba_bytes_per_row(model, backend, window), gdn_bytes_per_row(model, backend, window)
+    parts = (rows * mamba["state"], rows * gdn["state"], rows * (mamba["rings"] + gdn["rings"]),
+             kv_bytes(model, context_lens))
     return [*weight_ops(model, rows, rows), *(Op(name, b, 0.0) for name, b in zip(STATE_PARTS, parts, strict=True))]
 
 
@@ -148,7 +165,8 @@ def floors(ops: list[Op], rates: dict[str, float]) -> dict[str, float]:
 
 def prefill_flops(model: NemotronHForCausalLM, prompt_lens: list[int]) -> float:
     """Matmul FLOPs of a prefill of these prompts: projections, the LM head at each prompt's last
-    token, and causal attention scores and values (the SSD scan, a few percent, is left out)."""
+    token, and causal attention scores and values (the SSD scan, a few percent, and the gated delta
+    rule's chunks are left out)."""
     cfg = model.config
     linear = sum(op.flops for op in weight_ops(model, sum(prompt_lens), len(prompt_lens)))
     attn_pairs = sum(n * (n + 1) / 2 for n in prompt_lens)

@@ -1,9 +1,10 @@
 """Named model shapes for the benchmarks, and random-weight models of them built in memory.
 
 A shape is a layer pattern (`LAYERS`, the `hybrid_override_pattern` alphabet: M Mamba2, * attention,
-- MLP, E MoE) plus `ModelConfig` fields that replace `replayserve.builtin.tiny.tiny_config`'s (`SIZES`),
-of the family `FAMILY` names (Nemotron-H unless it names another; a Granite or Bamba layer is M or *,
-each with its MLP; a Falcon-H1 layer is M, with both mixers).
+- MLP, E MoE; for the Qwen families G Gated DeltaNet and * gated attention, each layer with its MLP or
+MoE) plus `ModelConfig` fields that replace `replayserve.builtin.tiny.tiny_config`'s (`SIZES`), of the
+family `FAMILY` names (Nemotron-H unless it names another; a Granite or Bamba layer is M or *, each
+with its MLP; a Falcon-H1 layer is M, with both mixers).
 `make_tiny(dir, layers=LAYERS[s], **SIZES[s])` writes one to disk; `random_model` builds one on the
 device directly (no checkpoint), which is the only practical way for `nemotron-h-8b`, and
 `write_checkpoint` writes what it builds for the benchmarks that need a model directory.
@@ -94,6 +95,29 @@ SIZES: dict[str, dict] = {
                      "ssm_out_multiplier": 1.0, "ssm_multipliers": (), "attention_in_multiplier": 1.0,
                      "attention_out_multiplier": 1.0, "key_multiplier": 1.0, "mlp_multipliers": (),
                      "mamba_norm_before_gate": False},
+    # The Gated DeltaNet hybrids: three GDN layers to one gated attention layer. A CPU-sized Qwen3.5 for the
+    # smoke tests (tiny_config's GDN geometry, 8 layers).
+    "qwen3.5-small": {"max_position_embeddings": 8192},
+    # Qwen/Qwen3.5-9B (text_config of the published config.json, as public copies and the model card give it):
+    # hidden 4096, MLP 12288, 32 layers, gated attention 16 heads over 4 KV heads of 256 with RoPE on 64 of them,
+    # GDN 16 key heads and 32 value heads of 128, conv 4, vocabulary 248320 (padded). RoPE theta 1e7 (a GGUF
+    # card's freq_base) and untied embeddings: assumed, not seen in the config.json itself.
+    "qwen3.5-9b": {"vocab_size": 248320, "hidden_size": 4096, "num_attention_heads": 16, "num_key_value_heads": 4,
+                   "head_dim": 256, "intermediate_size": 12288, "partial_rotary_factor": 0.25, "rope_theta": 1e7,
+                   "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+                   "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "max_position_embeddings": 262144,
+                   "tie_word_embeddings": False},
+    # Qwen/Qwen3.5-35B-A3B (the model card): hidden 2048, 40 layers, gated attention 16 heads over 2 KV heads of
+    # 256 (RoPE on 64), GDN 16 key / 32 value heads of 128, 256 experts of 512, top 8, one shared expert of 512
+    # (sigmoid-gated), vocabulary 248320. 35B parameters: ~70 GB in bf16, which leaves an H100 ~8 GB. RoPE theta
+    # 1e7 and untied embeddings assumed as for the 9B. (Qwen3-Next-80B-A3B, 160 GB in bf16, fits no single card.)
+    "qwen3.5-35b-a3b": {"vocab_size": 248320, "hidden_size": 2048, "num_attention_heads": 16,
+                        "num_key_value_heads": 2, "head_dim": 256, "partial_rotary_factor": 0.25, "rope_theta": 1e7,
+                        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+                        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "n_routed_experts": 256,
+                        "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+                        "moe_shared_expert_intermediate_size": 512, "norm_topk_prob": True,
+                        "max_position_embeddings": 262144, "tie_word_embeddings": False},
 }
 LAYERS: dict[str, str] = {
     "tiny": "M*-ME",
@@ -110,10 +134,15 @@ LAYERS: dict[str, str] = {
     "bamba-9b": "MMMMMMMMM*MMMMMMMM*MMMMMMMM*MMMM",
     # 44 layers, each a Mamba2 and an attention mixer side by side.
     "falcon-h1-7b": "M" * 44,
+    # G Gated DeltaNet, * gated attention: every fourth layer attends (full_attention_interval 4).
+    "qwen3.5-small": "GGG*" * 2,
+    "qwen3.5-9b": "GGG*" * 8,
+    "qwen3.5-35b-a3b": "GGG*" * 10,
 }
 # The family of each shape that is not Nemotron-H (a make-tiny --family name).
 FAMILY: dict[str, str] = {"granite-4.0-h-tiny": "granite", "granite-4.0-h-small": "granite", "bamba-9b": "bamba",
-                          "falcon-h1-7b": "falcon_h1"}
+                          "falcon-h1-7b": "falcon_h1", "qwen3.5-small": "qwen3_5", "qwen3.5-9b": "qwen3_5",
+                          "qwen3.5-35b-a3b": "qwen3_5_moe"}
 
 
 def model_config(size: str) -> ModelConfig:

@@ -1,0 +1,299 @@
+"""One Gated DeltaNet layer's decode step, Qwen3.5-9B geometry (16 key heads, 32 value heads, K = V = 128),
+bf16 activations and fp32 state, side by side at each batch:
+
+- ours: ``gated_delta_step`` (the Triton kernel on CUDA, the reference elsewhere) on a pool of exactly
+  `batch` slots with permuted indices, in place;
+- fla: flash-linear-attention's ``fused_recurrent_gated_delta_rule`` (fla-core 0.6.0, CUDA only), the
+  rows' states in, their final states out (a new tensor each call: the same bytes as in place);
+- replay read: ``replay_gdn_step`` (T = 1, window W) with a typical ring fill, the rows' histories spread
+  over 1..W as in the steady state (a row's history cycles through 1..W and it flushes at W), none
+  flushing here: the checkpoint read once, the history replayed, the token appended;
+- flush: the fold of W ring entries into every row's checkpoint (``replay_gdn_materialize`` with
+  src = dst, what a flush step runs for its rows);
+- replay: read + flush / W, the steady state per step (each row flushes once every W steps; on its
+  flush step the read replays the same W + 1 entries, so the fold is the only extra work).
+
+us per call (CUDA events; ``--graph`` times CUDA-graph replays, as the engine runs decode), GB/s of a
+bytes model (below) against the device-to-device copy bandwidth measured as ``bench_e2e`` does
+(``roofline.measure_rates``), and the speed-up over fla. Small pools are rotated over several copies
+so the state does not sit in L2. Before timing, every variant runs on the same rows (batch 4) and
+its outputs are compared with a float64 reference and with ours: the max abs differences are printed
+and a variant that disagrees stops the run.
+
+Bytes per row (state S = Hv K V fp32, entry = k (Hk K) + v (Hv V) bf16 + g, beta (Hv) fp32; inputs are
+q, k, v, g, beta in and o out): ours and fla 2 S + inputs; replay read S + (mean history + 1) entries +
+inputs; flush 2 S + W entries (the mean history is (W + 1) / 2, as ``roofline`` counts it).
+
+    python benchmarks/bench_gdn_decode.py --graph [--batch 1 8 64 256 512] [--window 32] [--out r.json]
+    python benchmarks/bench_gdn_decode.py --device cpu --batch 1 2 --iters 2   # the references, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from roofline import measure_rates  # noqa: E402
+
+from replayserve.ops.gated_delta import gated_delta_recurrent_ref, gated_delta_step, gated_delta_step_ref  # noqa: E402
+from replayserve.ops.replay_gdn import replay_gdn_materialize, replay_gdn_step  # noqa: E402
+
+HK, HV, DK, DV = 16, 32, 128, 128  # Qwen3.5-9B's GDN layer (and Qwen3.5-35B-A3B's, Qwen3-Next's)
+ACT, STATE = torch.bfloat16, torch.float32
+STATE_BYTES = HV * DK * DV * 4
+ENTRY_BYTES = (HK * DK + HV * DV) * 2 + 2 * HV * 4
+INPUT_BYTES = (2 * HK * DK + 2 * HV * DV) * 2 + 2 * HV * 4
+ROTATE_BYTES = 512 << 20  # state bytes a timed pass touches on CUDA, well past the 50 MB L2
+Call = Callable[[], object]
+
+
+def import_fla() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    try:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    except ImportError as e:
+        print(f"fla not importable ({e}): its column is left out (pip install fla-core==0.6.0)", file=sys.stderr)
+        return None
+    return fused_recurrent_gated_delta_rule
+
+
+def token(batch: int, device: str, gen: torch.Generator, tokens: int | None = None) -> dict[str, torch.Tensor]:
+    """One decode token per row as the layer feeds it: q, k raw (the step L2-normalizes them), v, and
+    g (log decay, <= 0) and beta in (0, 1) in fp32. Shapes (B, H, D), or (B, T, H, D) with `tokens`."""
+    lead = (batch,) if tokens is None else (batch, tokens)
+    x = {"q": torch.randn(*lead, HK, DK, generator=gen), "k": torch.randn(*lead, HK, DK, generator=gen),
+         "v": torch.randn(*lead, HV, DV, generator=gen), "g": -torch.rand(*lead, HV, generator=gen) * 0.3,
+         "beta": torch.rand(*lead, HV, generator=gen)}
+    return {n: t.to(device, ACT if n in "qkv" else STATE) for n, t in x.items()}
+
+
+def replay_pool(batch: int, window: int, device: str, gen: torch.Generator,
+                history: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """A ReplaySSM-GDN pool of `batch` slots with random rings and origins; histories spread over
+    1..W (the steady state) unless given; nothing flushing; rows on permuted slots. The large tensors
+    are drawn on the device (torch's seeded generator there: a GiB of state drawn on the host takes
+    seconds), the cursors with `gen`."""
+    ring = window + 1
+    pool = {"state": torch.randn(batch, HV, DK, DV, device=device) * 0.1,
+            "k_ring": torch.randn(batch, HK, ring, DK, device=device).to(ACT),
+            "v_ring": torch.randn(batch, HV, ring, DV, device=device).to(ACT),
+            "g_ring": -torch.rand(batch, HV, ring, device=device) * 0.3,
+            "beta_ring": torch.rand(batch, HV, ring, device=device),
+            "ring_start": torch.randint(0, ring, (batch,), generator=gen, dtype=torch.int32),
+            "history": (torch.randperm(batch, generator=gen) % window + 1).to(torch.int32) if history is None
+            else history,
+            "is_flush": torch.zeros(batch, dtype=torch.bool), "slots": torch.randperm(batch, generator=gen)}
+    return {n: t.to(device) for n, t in pool.items()}
+
+
+RINGS = ("state", "k_ring", "v_ring", "g_ring", "beta_ring")
+
+
+def read_call(pool: dict[str, torch.Tensor], x: dict[str, torch.Tensor]) -> Call:
+    rows = pool["slots"].shape[0]
+    ones = torch.ones(rows, dtype=torch.int32, device=pool["slots"].device)
+    return lambda: replay_gdn_step(*(pool[n] for n in RINGS), pool["ring_start"], pool["history"], pool["is_flush"],
+                                   pool["slots"], ones, x["q"][:, None], x["k"][:, None], x["v"][:, None],
+                                   x["g"][:, None], x["beta"][:, None], use_qk_l2norm=True)
+
+
+def flush_call(pool: dict[str, torch.Tensor]) -> Call:
+    slots = pool["slots"]
+    start, n = pool["ring_start"][slots], pool["history"][slots]
+    return lambda: replay_gdn_materialize(*(pool[n] for n in RINGS), slots, slots, start, n, use_qk_l2norm=True)
+
+
+def fla_call(fla: Callable, state: torch.Tensor, x: dict[str, torch.Tensor]) -> Call:
+    q, k, v, g, beta = (x[n][:, None] for n in ("q", "k", "v", "g", "beta"))  # (B, T=1, ...)
+    # By keyword: fla's positional arguments after g are the per-channel decays gk and gv.
+    return lambda: fla(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
+                       use_qk_l2norm_in_kernel=True)
+
+
+def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+def check(window: int, device: str, fla: Callable | None, gen: torch.Generator) -> dict[str, dict[str, float]]:
+    """Every variant on the same 4 rows, whose histories are 0, W/3, 2W/3 and W ring entries: the
+    max abs difference of its output o (and of the state it writes) from the float64 reference and
+    from ours, and the relative error. The baseline rows start from the state the replay rows'
+    checkpoint and history reach (computed token by token in float64)."""
+    batch = 4
+    history = torch.tensor([0, window // 3, 2 * window // 3, window], dtype=torch.int32)
+    pool = replay_pool(batch, window, device, gen, history)
+    ring = window + 1
+    reached = []  # the state after each slot's history, float64
+    for s in range(batch):
+        m, start = int(pool["history"][s]), int(pool["ring_start"][s])
+        idx = torch.tensor([(start + j) % ring for j in range(m)], device=device, dtype=torch.long)
+        keys = pool["k_ring"][s][:, idx].transpose(0, 1)
+        entries = (keys, keys,  # as q too: only the final state is kept
+                   pool["v_ring"][s][:, idx].transpose(0, 1), pool["g_ring"][s][:, idx].T,
+                   pool["beta_ring"][s][:, idx].T)
+        state = pool["state"][s : s + 1].double()
+        if m:
+            state = gated_delta_recurrent_ref(*(e[None].double() for e in entries), state, use_qk_l2norm=True)[1]
+        reached.append(state[0])
+    x = token(batch, device, gen)
+    slots = pool["slots"]
+    ref_pool = torch.stack(reached)
+    o_ref = gated_delta_step_ref(ref_pool, *(x[n].double() for n in ("q", "k", "v", "g", "beta")), slots,
+                                 use_qk_l2norm=True)
+    after_ref = ref_pool[slots]
+    outs: dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
+    ours_pool = torch.stack(reached).float()
+    outs["ours"] = (gated_delta_step(ours_pool, *(x[n] for n in ("q", "k", "v", "g", "beta")), slots,
+                                     use_qk_l2norm=True), ours_pool[slots], after_ref)
+    if fla is not None:
+        o, final = fla_call(fla, torch.stack(reached)[slots].float().contiguous(), x)()
+        outs["fla"] = (o[:, 0], final, after_ref)
+    outs["replay read"] = (read_call(pool, x)()[:, 0], None, None)
+    flushed = {n: t.clone() for n, t in pool.items()}
+    flush_call(flushed)()
+    outs["flush"] = (None, flushed["state"][slots], torch.stack(reached)[slots])
+    result = {}
+    for name, (o, state, state_ref) in outs.items():
+        r: dict[str, float] = {}
+        if o is not None:
+            r |= {"o_abs_vs_ref64": (o.double() - o_ref).abs().max().item(), "o_rel_vs_ref64": rel(o, o_ref),
+                  "o_abs_vs_ours": (o.double() - outs["ours"][0].double()).abs().max().item()}
+        if state is not None:
+            r |= {"state_abs_vs_ref64": (state.double() - state_ref).abs().max().item(),
+                  "state_rel_vs_ref64": rel(state, state_ref)}
+        result[name] = r
+    return result
+
+
+def time_calls(calls: list[Call], device: str, graph: bool, iters: int) -> float:
+    """Median over `iters` of the mean us per call of one pass over `calls` (each call once); with `graph`
+    a CUDA graph of the pass is replayed, or, where capture fails, the pass runs eagerly (said on stderr)."""
+    for f in calls:  # compile, warm up
+        f()
+
+    def run() -> None:
+        for f in calls:
+            f()
+
+    if graph and device.startswith("cuda"):
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g):
+                run()
+            run = g.replay  # type: ignore[assignment]
+        except RuntimeError as e:  # one variant that cannot be captured must not lose the others
+            print(f"CUDA graph capture failed ({str(e)[:200]}): timed eagerly", file=sys.stderr)
+            torch.cuda.synchronize()
+    run()
+    times = []
+    for _ in range(iters):
+        if device.startswith("cuda"):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / len(calls))
+        else:
+            t0 = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - t0) * 1e6 / len(calls))
+    return statistics.median(times)
+
+
+def measure(batch: int, args: argparse.Namespace, fla: Callable | None, gen: torch.Generator) -> dict[str, float]:
+    """us per call of each variant at `batch`; each variant's pools are freed before the next is built."""
+    device = args.device
+    sets = max(1, math.ceil(ROTATE_BYTES / (batch * STATE_BYTES))) if device.startswith("cuda") else 1
+    x = token(batch, device, gen)
+    us: dict[str, float] = {}
+    pools = [torch.randn(batch, HV, DK, DV, device=device) * 0.1 for _ in range(sets)]
+    idx = torch.randperm(batch, generator=gen).to(device)
+    us["ours"] = time_calls([lambda p=p: gated_delta_step(p, x["q"], x["k"], x["v"], x["g"], x["beta"], idx,
+                                                          use_qk_l2norm=True) for p in pools],
+                            device, args.graph, args.iters)
+    if fla is not None:
+        us["fla"] = time_calls([fla_call(fla, p, x) for p in pools], device, args.graph, args.iters)
+    del pools
+    replay = [replay_pool(batch, args.window, device, gen) for _ in range(sets)]
+    us["replay read"] = time_calls([read_call(p, x) for p in replay], device, args.graph, args.iters)
+    for p in replay:  # every row flushes its full window
+        p["history"].fill_(args.window)
+    us["flush"] = time_calls([flush_call(p) for p in replay], device, args.graph, args.iters)
+    del replay
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    us["replay"] = us["replay read"] + us["flush"] / args.window
+    return us
+
+
+def bytes_per_row(window: int) -> dict[str, float]:
+    read = STATE_BYTES + ((window + 1) / 2 + 1) * ENTRY_BYTES + INPUT_BYTES  # mean history (W + 1) / 2
+    flush = 2 * STATE_BYTES + window * ENTRY_BYTES
+    return {"ours": 2 * STATE_BYTES + INPUT_BYTES, "fla": 2 * STATE_BYTES + INPUT_BYTES, "replay read": read,
+            "flush": flush, "replay": read + flush / window}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256, 512])
+    p.add_argument("--window", type=int, default=32, help="ReplaySSM window W (the engine's default for decode)")
+    p.add_argument("--iters", type=int, default=20, help="timed passes per variant; the median is reported")
+    p.add_argument("--graph", action="store_true", help="time CUDA-graph replays (CUDA only)")
+    p.add_argument("--out", type=Path, help="write the result as JSON here")
+    args = p.parse_args(argv)
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    fla = import_fla() if args.device.startswith("cuda") else None
+    checks = check(args.window, args.device, fla, gen)
+    print("check at batch 4 (histories 0, W/3, 2W/3, W), max abs difference from the float64 reference / ours:")
+    for name, r in checks.items():
+        parts = [f"o {r['o_abs_vs_ref64']:.2e} / {r['o_abs_vs_ours']:.2e} (rel {r['o_rel_vs_ref64']:.1e})"
+                 if "o_abs_vs_ref64" in r else "",
+                 f"state {r['state_abs_vs_ref64']:.2e} (rel {r['state_rel_vs_ref64']:.1e})"
+                 if "state_abs_vs_ref64" in r else ""]
+        print(f"  {name}: {'; '.join(s for s in parts if s)}")
+    bad = [n for n, r in checks.items() if not max(v for k, v in r.items() if "rel" in k) < 2e-2]
+    if bad:
+        raise SystemExit(f"{', '.join(bad)} disagree with the float64 reference: not timed")
+    rates = measure_rates(torch.device(args.device), ACT)
+    copy_gbs = rates["copy_bytes_per_s"] / 1e9
+    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
+    print(f"{name}: device-to-device copy {copy_gbs:.0f} GB/s (read + write); window W={args.window}; "
+          f"{'CUDA graph' if args.graph and args.device.startswith('cuda') else 'eager'}")
+    model = bytes_per_row(args.window)
+    records = []
+    for batch in args.batch:
+        us = measure(batch, args, fla, gen)
+        for variant, t in us.items():
+            gbs = model[variant] * batch / t / 1e3
+            records.append({"batch": batch, "variant": variant, "us": t, "mb": model[variant] * batch / 1e6,
+                            "gbs": gbs, "of_copy": gbs / copy_gbs, "vs_fla": us["fla"] / t if "fla" in us else None})
+        print(f"done batch {batch}", file=sys.stderr, flush=True)
+    print("\n| batch | variant | us/call | MB/call (model) | GB/s | of copy BW | speed-up vs fla |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for r in records:
+        vs = "-" if r["vs_fla"] is None else f"{r['vs_fla']:.2f}x"
+        print(f"| {r['batch']} | {r['variant']} | {r['us']:.1f} | {r['mb']:.2f} | {r['gbs']:.0f} | "
+              f"{r['of_copy']:.0%} | {vs} |")
+    result = {"meta": {"device": name, "copy_gbs": copy_gbs, "window": args.window, "graph": args.graph,
+                       "geometry": {"Hk": HK, "Hv": HV, "K": DK, "V": DV}, "checks": checks}, "records": records}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
