@@ -115,7 +115,7 @@ class GatedDeltaBackend(SlotStateBackend):
             at += len(stored)
         conv_captures = (views.pop("conv_seq"), views.pop("conv_token"), views.pop("conv_dst"))
         views["conv_captures"] = conv_captures if inner else None  # type: ignore[assignment]
-        if max(ends) < 0:
+        if not every:  # with any capture, end slots go too (all -1 if none): one conv kernel variant less
             views["end_slots"] = None
         self._prefill_metas[key] = views
         return views
