@@ -17,6 +17,7 @@ import torch
 
 from replayserve.config import check_replay_window
 from replayserve.ops.conv1d import causal_conv1d_update, causal_conv1d_verify
+from replayserve.ops.copy_rows import copy_rows
 from replayserve.ops.replay_gdn import replay_gdn_materialize, replay_gdn_step
 from replayserve.ops.replay_ssm import replay_commit, replay_prepare
 from replayserve.ssm.gated_delta_backend import GatedDeltaBackend
@@ -51,11 +52,14 @@ class GatedDeltaReplayBackend(GatedDeltaBackend):
             t.index_fill_(0, slots, 0)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Sources are boundary slots, whose state `publish` materialized (their cursors stay zero):
-        the conv state and checkpoint are the whole state, and the copy starts with empty history."""
+        """The checkpoint, rings and cursors move together, so any slot's state is copied whole. A
+        prefix hit's source is a boundary slot, which `publish` materialized (zero cursors): the
+        destination then starts with empty history, and its rings are never read before written."""
         super().copy_slots(src, dst)
+        for t in (*self.k_ring, *self.v_ring, *self.g_ring, *self.beta_ring):
+            copy_rows(t, src, t, dst)
         for cursor in (self.ring_start, self.history, self.is_flush):
-            cursor.index_fill_(0, dst, 0)
+            cursor.index_copy_(0, dst, cursor.index_select(0, src))
 
     def publish(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, lag: torch.Tensor,
                 A: list[torch.Tensor]) -> None:

@@ -2,7 +2,7 @@
 with captures, plain decode steps and speculative verifies with random acceptance, through many
 flushes (window 4), gives the same outputs, the same conv states, and materialized boundary states
 (published mid-verify and at a step's end) equal to the baseline's live and published states; a
-prefix hit's copy continues equally; resets clear rings and cursors. In float64 on the reference
+prefix hit's copy and a live slot's copy continue equally; resets clear rings and cursors. In float64 on the reference
 ops, and in float32 on the kernels (Triton's interpreter on a CPU), where both backends take the
 fixed-shape path's pad slot. The baseline itself is held to the one-pass recurrence in
 test_gated_delta_baseline.py."""
@@ -121,20 +121,24 @@ def _drive(seed: int, layout: GatedDeltaLayout, tol: dict[str, float], steps: in
             torch.testing.assert_close(replay.ssm_state[layer][dst], base.ssm_state[layer][dst], **tol)
         _assert_states_equal(base, replay, live, tol)
     assert flushes >= steps // 2  # window 4: the drive crosses many flushes
-    # The prefill's captures are canonical on both; a prefix hit copies one and continues equally.
+    # A prefix hit copies a prefill capture (canonical) and continues equally; a live slot with
+    # history copies whole too (checkpoint, rings and cursors together).
+    assert int(replay.history[1]) > 0
+    copies = torch.tensor([[4, 7], [1, 6]])
     for backend in (base, replay):
-        backend.copy_slots(torch.tensor([4]), torch.tensor([7]))
-    assert int(replay.history[7]) == 0
-    qkv, g, beta = _tokens(layout, (1,), gen)
-    one = torch.ones(1, dtype=torch.int32)
-    for backend in (base, replay):
-        backend.begin_step(torch.tensor([7]), one)
-    for layer in range(layout.num_layers):
-        torch.testing.assert_close(replay.decode(layer, torch.tensor([7]), qkv, g, beta, weight),
-                                   base.decode(layer, torch.tensor([7]), qkv, g, beta, weight), **tol)
-    for backend in (base, replay):
-        backend.end_step(torch.tensor([7]), one)
-    _assert_states_equal(base, replay, [7], tol)
+        backend.copy_slots(copies[:, 0], copies[:, 1])
+    assert int(replay.history[7]) == 0 and int(replay.history[6]) == int(replay.history[1])
+    slots, ones = copies[:, 1], torch.ones(2, dtype=torch.int32)
+    for _ in range(3):  # past the copied history's flush
+        qkv, g, beta = _tokens(layout, (2,), gen)
+        for backend in (base, replay):
+            backend.begin_step(slots, ones)
+        for layer in range(layout.num_layers):
+            torch.testing.assert_close(replay.decode(layer, slots, qkv, g, beta, weight),
+                                       base.decode(layer, slots, qkv, g, beta, weight), **tol)
+        for backend in (base, replay):
+            backend.end_step(slots, ones)
+    _assert_states_equal(base, replay, [7, 6], tol)
 
 
 def test_fixed_shape_rows_on_the_pad_slot_touch_no_live_slot() -> None:
