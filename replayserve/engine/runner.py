@@ -49,7 +49,8 @@ def make_ssm_backend(config: EngineConfig, dtype: torch.dtype, device: torch.dev
         if config.ssm_backend == "replay":
             return GatedDeltaReplayBackend(GatedDeltaLayout.from_config(
                 model, num_slots, dtype, tokens, window=config.resolved_replay_window), device)
-        return GatedDeltaBaselineBackend(GatedDeltaLayout.from_config(model, num_slots, dtype, tokens), device)
+        return GatedDeltaBaselineBackend(GatedDeltaLayout.from_config(
+            model, num_slots, dtype, tokens, max_rows=config.max_num_seqs), device)
     if config.ssm_backend == "replay":
         layout = MambaLayout.from_config(model, num_slots, dtype, window=config.resolved_replay_window,
                                          tokens_per_step=tokens)

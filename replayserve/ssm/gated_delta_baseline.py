@@ -3,7 +3,8 @@
 Prefill is the shared chunked one (`gated_delta_backend`). Decode is `gated_delta_step`, in place on
 the pool; a verify is `gated_delta_verify`, which leaves the pool alone and keeps the state after
 every token in `spec_states` (indexed by the step's row, not by slot: the op writes them where it
-runs); `end_step` copies each row's accepted one into its slot. The ops are the Triton kernels on
+runs, and only max_num_seqs rows need room, not every boundary slot); `end_step` copies each row's
+accepted one into its slot. The ops are the Triton kernels on
 CUDA and the token-by-token references elsewhere (float64 included).
 """
 
@@ -23,8 +24,7 @@ class GatedDeltaBaselineBackend(GatedDeltaBackend):
     def __init__(self, layout: GatedDeltaLayout, device: torch.device) -> None:
         super().__init__(layout, device)
         if layout.tokens_per_step > 1:  # speculation: one state per verified position of each row
-            shape = (layout.num_slots, layout.tokens_per_step, *layout.ssm_state_shape[1:])
-            self.spec_states = self._pool(shape, layout.state_dtype)
+            self.spec_states = self._pool(layout.spec_states_shape, layout.state_dtype)
 
     def state_tensors(self) -> list[torch.Tensor]:
         return self.conv_state + self.ssm_state + self.spec_states

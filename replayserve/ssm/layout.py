@@ -167,10 +167,11 @@ class GatedDeltaLayout:
     state_dtype: torch.dtype
     tokens_per_step: int = 1  # T: 1 for plain decode, 1 + k with k draft tokens
     window: int = 0  # ReplaySSM logical window W; 0 for the baseline backend (no rings)
+    max_rows: int = 0  # decode rows a step runs at most (max_num_seqs); 0: num_slots
 
     @classmethod
     def from_config(cls, model: ModelConfig, num_slots: int, dtype: torch.dtype,
-                    tokens_per_step: int = 1, window: int = 0) -> GatedDeltaLayout:
+                    tokens_per_step: int = 1, window: int = 0, max_rows: int = 0) -> GatedDeltaLayout:
         # As for Mamba2: the state accumulates over the whole sequence, so half-precision models keep
         # it in float32 (the published checkpoints' `mamba_ssm_dtype`); wider dtypes keep their own.
         return cls(
@@ -185,6 +186,7 @@ class GatedDeltaLayout:
             state_dtype=compute_dtype(dtype),
             tokens_per_step=tokens_per_step,
             window=window,
+            max_rows=max_rows,
         )
 
     @property
@@ -209,6 +211,11 @@ class GatedDeltaLayout:
     def ssm_state_shape(self) -> tuple[int, int, int, int]:
         """(slots, Hv, K, V): each value head's key-by-value memory."""
         return (self.num_slots, self.num_value_heads, self.key_dim, self.value_dim)
+
+    @property
+    def spec_states_shape(self) -> tuple[int, int, int, int, int]:
+        """(rows, T, Hv, K, V): the baseline's state after each verified token, per row of a step."""
+        return (self.max_rows or self.num_slots, self.tokens_per_step, *self.ssm_state_shape[1:])
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(..., conv_dim) -> q (..., Hk, K), k (..., Hk, K), v (..., Hv, V)."""

@@ -49,7 +49,8 @@ def test_cache_bytes_are_what_the_runner_allocates(tiny_model_dir: Path, kwargs:
 @pytest.mark.parametrize(
     "kwargs",
     [{}, {"speculative": SPEC}, {"ssm_backend": "replay"}, {"ssm_backend": "replay", "speculative": SPEC},
-     {"ssm_backend": "replay", "enable_prefix_caching": True, "mamba_cache_mode": "all"}],
+     {"ssm_backend": "replay", "enable_prefix_caching": True, "mamba_cache_mode": "all"},
+     {"speculative": SPEC, "enable_prefix_caching": True, "mamba_cache_mode": "all"}],
 )
 def test_gated_delta_cache_bytes_are_what_the_runner_allocates(tmp_path: Path, kwargs: dict) -> None:
     """The Gated DeltaNet backends: per-position verify states (baseline), rings and cursors (ReplaySSM)."""
@@ -58,6 +59,8 @@ def test_gated_delta_cache_bytes_are_what_the_runner_allocates(tmp_path: Path, k
     kv, states = _allocated(llm.engine)
     assert kv > 0 and states > 0
     assert cache_bytes(llm.config, torch.bfloat16) == (kv, states)
+    for spec in llm.engine.runner.ssm.spec_states:  # one per step row (max_num_seqs), not per slot
+        assert spec.shape[:2] == (3, 3)
 
 
 def test_oversized_kv_cache_is_refused_before_allocating(tiny_model_dir: Path) -> None:
