@@ -44,10 +44,12 @@ class LLM:
     gpu_memory_utilization: on CUDA, the share of the GPU's memory, in (0, 1], this engine may use: KV
     blocks and cached Mamba states that are not given fill what the weights and an activation reserve
     leave (the numbers are logged); on CPU the defaults stay.
-    ssm_backend: Mamba decode: baseline (the state read and written every step) or replay (ReplaySSM: a
-    checkpoint plus rings of the last replay_window tokens' inputs, the state written on a flush).
+    ssm_backend: Mamba2 and Gated DeltaNet decode: baseline (the state read and written every step) or
+    replay (ReplaySSM: a checkpoint plus rings of the last replay_window tokens' inputs, the state
+    written on a flush).
     replay_window: ReplaySSM's window: tokens between flushes, from tokens per step (1 + speculative
-    tokens) to 64 (default 32, or 16 with speculative decoding).
+    tokens) to 64 (default for Mamba2 32, or 16 with speculative decoding; for Gated DeltaNet 32 or 16
+    minus tokens per step).
     enable_prefix_caching: reuse the KV blocks and Mamba states of cached prompt prefixes.
     mamba_cache_mode: which Mamba states prefix caching keeps: none (so a hybrid model never hits),
     align (where a step ends on a block boundary; prefill chunks end on them) or all (at every block

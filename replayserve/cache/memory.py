@@ -45,13 +45,20 @@ def cache_bytes_for(config: EngineConfig, dtype: torch.dtype, num_kv_blocks: int
     kv_shape = (num_kv_blocks + 1, config.block_size, m.num_key_value_heads, m.head_dim)
     kv = 2 * m.num_attention_layers * _nbytes(kv_shape, kv_cache_torch_dtype(config, dtype))
     num_slots = config.max_num_seqs + num_cached_states + 1
-    if m.num_gated_delta_layers:  # the baseline GDN backend (ssm/gated_delta_baseline.py)
-        gdn = GatedDeltaLayout.from_config(m, num_slots, dtype, tokens_per_step=config.tokens_per_step)
-        states = 1 + (gdn.tokens_per_step if gdn.tokens_per_step > 1 else 0)  # live, and one per verified token
-        per_layer = (_nbytes(gdn.conv_state_shape, gdn.act_dtype)
-                     + states * _nbytes(gdn.ssm_state_shape, gdn.state_dtype))
-        return kv, per_layer * gdn.num_layers
     replay = config.ssm_backend == "replay"
+    if m.num_gated_delta_layers:  # ssm/gated_delta_baseline.py, ssm/gated_delta_replay.py
+        gdn = GatedDeltaLayout.from_config(m, num_slots, dtype, tokens_per_step=config.tokens_per_step,
+                                           window=config.resolved_replay_window if replay else 0,
+                                           max_rows=config.max_num_seqs)
+        per_layer = _nbytes(gdn.conv_state_shape, gdn.act_dtype) + _nbytes(gdn.ssm_state_shape, gdn.state_dtype)
+        cursors = 0
+        if replay:  # rings of the recent k, v, g and beta; three cursors per slot shared by all layers
+            per_layer += (_nbytes(gdn.k_ring_shape, gdn.act_dtype) + _nbytes(gdn.v_ring_shape, gdn.act_dtype)
+                          + 2 * _nbytes(gdn.gate_ring_shape, gdn.state_dtype))
+            cursors = _nbytes(gdn.cursor_shape, torch.int32) * 2 + _nbytes(gdn.cursor_shape, torch.bool)
+        elif gdn.tokens_per_step > 1:  # the baseline keeps one state per verified position of each row
+            per_layer += _nbytes(gdn.spec_states_shape, gdn.state_dtype)
+        return kv, per_layer * gdn.num_layers + cursors
     layout = MambaLayout.from_config(m, num_slots, dtype,
                                      window=config.resolved_replay_window if replay else 0,
                                      tokens_per_step=config.tokens_per_step)

@@ -169,9 +169,6 @@ class EngineConfig:
             fail("kv_cache_dtype", f"{self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
         if self.ssm_backend not in SSM_BACKENDS:
             fail("ssm_backend", f"{self.ssm_backend!r} is not one of {SSM_BACKENDS}")
-        if self.ssm_backend == "replay" and self.model.num_gated_delta_layers:
-            fail("ssm_backend", "'replay' is not implemented for Gated DeltaNet layers yet (Qwen3-Next, Qwen3.5); "
-                 "use 'baseline'")
         if self.ssm_backend == "replay":
             check_replay_window(self.resolved_replay_window, self.tokens_per_step)
             if self.dtype == "float64" and self.device.startswith("cuda"):
@@ -230,16 +227,25 @@ class EngineConfig:
 
     @property
     def resolved_replay_window(self) -> int:
-        """W: replay_window, else 32 for plain decode and 16 with speculative decoding.
+        """W: replay_window, else (Mamba2) 32 for plain decode and 16 with speculative decoding.
 
         A flush rewrites the checkpoint once every W tokens; with the flush in its own kernel, W = 32
         and W = 16 (the fold fused into the step kernel) ran plain decode equally fast within 0.5% at
         batch 128-256 on the H100 (Nemotron-H-8B shape; an earlier 2-4% gain for 32 was a timing
         artefact: docs/perf-log/2026-12-06-replayssm-window-and-flush.md), and 32 stayed. Verify
         steps keep the window they were measured with.
+
+        Gated DeltaNet's replayed read solves an E x E system with E = R = W + T rounded up to a
+        power of two (docs/replayssm.md, Gated DeltaNet): its default keeps R at 32, or 16 with
+        speculation (doubled until W >= T), so no entry is padding. Not yet measured on a GPU.
         """
         if self.replay_window is not None:
             return self.replay_window
+        if self.model.num_gated_delta_layers:
+            ring = 16 if self.speculative else 32
+            while ring - self.tokens_per_step < self.tokens_per_step:
+                ring *= 2
+            return ring - self.tokens_per_step
         return 16 if self.speculative else 32
 
     @property

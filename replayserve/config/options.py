@@ -88,12 +88,14 @@ ENGINE_OPTIONS: dict[str, EngineOption] = {o.name: o for o in (
                  "states that are not given fill what the weights and an activation reserve leave (the numbers "
                  "are logged); on CPU the defaults stay"),
     EngineOption("ssm_backend", str, "baseline",
-                 "Mamba decode: baseline (the state read and written every step) or replay (ReplaySSM: a checkpoint "
-                 "plus rings of the last replay_window tokens' inputs, the state written on a flush)",
+                 "Mamba2 and Gated DeltaNet decode: baseline (the state read and written every step) or replay "
+                 "(ReplaySSM: a checkpoint plus rings of the last replay_window tokens' inputs, the state written "
+                 "on a flush)",
                  choices=SSM_BACKENDS),
     EngineOption("replay_window", int | None, None,
                  f"ReplaySSM's window: tokens between flushes, from tokens per step (1 + speculative tokens) to "
-                 f"{MAX_REPLAY_WINDOW} (default 32, or 16 with speculative decoding)"),
+                 f"{MAX_REPLAY_WINDOW} (default for Mamba2 32, or 16 with speculative decoding; for Gated DeltaNet "
+                 f"32 or 16 minus tokens per step)"),
     EngineOption("enable_prefix_caching", bool, False,
                  "reuse the KV blocks and Mamba states of cached prompt prefixes"),
     EngineOption("mamba_cache_mode", str | None, None,

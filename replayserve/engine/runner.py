@@ -25,6 +25,7 @@ from replayserve.ops.token_bitmask import TokenMask
 from replayserve.sampling_params import SamplingParams
 from replayserve.ssm.baseline import BaselineBackend
 from replayserve.ssm.gated_delta_baseline import GatedDeltaBaselineBackend
+from replayserve.ssm.gated_delta_replay import GatedDeltaReplayBackend
 from replayserve.ssm.layout import GatedDeltaLayout, MambaLayout
 from replayserve.ssm.replay import ReplayBackend
 from replayserve.ssm.slot_state import SlotStateBackend
@@ -44,8 +45,12 @@ def make_ssm_backend(config: EngineConfig, dtype: torch.dtype, device: torch.dev
     model = model or config.model
     num_slots = config.max_num_seqs + config.resolved_num_mamba_cache_slots + 1
     tokens = config.tokens_per_step
-    if model.num_gated_delta_layers:  # EngineConfig refuses ssm_backend 'replay' for these models
-        return GatedDeltaBaselineBackend(GatedDeltaLayout.from_config(model, num_slots, dtype, tokens), device)
+    if model.num_gated_delta_layers:
+        if config.ssm_backend == "replay":
+            return GatedDeltaReplayBackend(GatedDeltaLayout.from_config(
+                model, num_slots, dtype, tokens, window=config.resolved_replay_window), device)
+        return GatedDeltaBaselineBackend(GatedDeltaLayout.from_config(
+            model, num_slots, dtype, tokens, max_rows=config.max_num_seqs), device)
     if config.ssm_backend == "replay":
         layout = MambaLayout.from_config(model, num_slots, dtype, window=config.resolved_replay_window,
                                          tokens_per_step=tokens)

@@ -1,5 +1,5 @@
 """The Gated DeltaNet mixer of Qwen3-Next and Qwen3.5: projections, gates and the gated norm here,
-the conv and recurrent state in `ssm/gated_delta_baseline.py`.
+the conv and recurrent state in a `ssm/gated_delta_backend.py` backend.
 
 Per token: q, k, v from the input projection go through a depthwise causal conv1d with SiLU; the
 state backend L2-normalizes q and k and runs the gated delta rule with the log-space decay
@@ -23,7 +23,7 @@ from replayserve.layers.linear import Linear
 from replayserve.layers.mamba2 import padded_index, valid_positions
 from replayserve.layers.step_context import StepContext
 from replayserve.ops.dtypes import compute_dtype
-from replayserve.ssm.gated_delta_baseline import GatedDeltaBaselineBackend
+from replayserve.ssm.gated_delta_backend import GatedDeltaBackend
 
 
 class HeadGatedRMSNorm(nn.Module):
@@ -90,7 +90,7 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.to(cdt).exp() * F.softplus(a.to(cdt) + self.dt_bias.to(cdt))
         return g, b.sigmoid().to(cdt)
 
-    def forward(self, hidden: torch.Tensor, ctx: StepContext, backend: GatedDeltaBaselineBackend) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, ctx: StepContext, backend: GatedDeltaBackend) -> torch.Tensor:
         """hidden (T, hidden_size) -> (T, hidden_size); decode rows first, then prefill chunks."""
         qkv, z, b, a = self.project(hidden)
         g, beta = self.gates(b, a)

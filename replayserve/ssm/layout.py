@@ -166,10 +166,12 @@ class GatedDeltaLayout:
     act_dtype: torch.dtype
     state_dtype: torch.dtype
     tokens_per_step: int = 1  # T: 1 for plain decode, 1 + k with k draft tokens
+    window: int = 0  # ReplaySSM logical window W; 0 for the baseline backend (no rings)
+    max_rows: int = 0  # decode rows a step runs at most (max_num_seqs); 0: num_slots
 
     @classmethod
     def from_config(cls, model: ModelConfig, num_slots: int, dtype: torch.dtype,
-                    tokens_per_step: int = 1) -> GatedDeltaLayout:
+                    tokens_per_step: int = 1, window: int = 0, max_rows: int = 0) -> GatedDeltaLayout:
         # As for Mamba2: the state accumulates over the whole sequence, so half-precision models keep
         # it in float32 (the published checkpoints' `mamba_ssm_dtype`); wider dtypes keep their own.
         return cls(
@@ -183,6 +185,8 @@ class GatedDeltaLayout:
             act_dtype=dtype,
             state_dtype=compute_dtype(dtype),
             tokens_per_step=tokens_per_step,
+            window=window,
+            max_rows=max_rows,
         )
 
     @property
@@ -208,9 +212,39 @@ class GatedDeltaLayout:
         """(slots, Hv, K, V): each value head's key-by-value memory."""
         return (self.num_slots, self.num_value_heads, self.key_dim, self.value_dim)
 
+    @property
+    def spec_states_shape(self) -> tuple[int, int, int, int, int]:
+        """(rows, T, Hv, K, V): the baseline's state after each verified token, per row of a step."""
+        return (self.max_rows or self.num_slots, self.tokens_per_step, *self.ssm_state_shape[1:])
+
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(..., conv_dim) -> q (..., Hk, K), k (..., Hk, K), v (..., Hv, V)."""
         q, k, v = qkv.split([self.qk_dim, self.qk_dim, self.v_dim], dim=-1)
         lead = qkv.shape[:-1]
         return (q.reshape(*lead, self.num_key_heads, self.key_dim), k.reshape(*lead, self.num_key_heads, self.key_dim),
                 v.reshape(*lead, self.num_value_heads, self.value_dim))
+
+    @property
+    def ring_len(self) -> int:
+        """R = W + T exactly: never rounded up, since the kernels infer the window as R - T."""
+        return self.window + self.tokens_per_step if self.window else 0
+
+    @property
+    def k_ring_shape(self) -> tuple[int, int, int, int]:
+        """(slots, Hk, R, K), activation dtype: raw keys (before the L2 norm), shared by a key head's value heads."""
+        return (self.num_slots, self.num_key_heads, self.ring_len, self.key_dim)
+
+    @property
+    def v_ring_shape(self) -> tuple[int, int, int, int]:
+        """(slots, Hv, R, V), activation dtype."""
+        return (self.num_slots, self.num_value_heads, self.ring_len, self.value_dim)
+
+    @property
+    def gate_ring_shape(self) -> tuple[int, int, int]:
+        """(slots, Hv, R), state dtype: the g ring and the beta ring each."""
+        return (self.num_slots, self.num_value_heads, self.ring_len)
+
+    @property
+    def cursor_shape(self) -> tuple[int]:
+        """(slots,): ring_start and history int32, is_flush bool; shared by all GDN layers."""
+        return (self.num_slots,)

@@ -4,11 +4,12 @@ The runner, the CUDA-graph decode path and prefix caching see a backend only thr
 methods: zero a fresh request's slots, copy a cached state into a live slot, publish a decode
 row's boundary state, and bracket each step (`begin_step` / `end_step`: a speculative verify
 commits each row's accepted prefix). What a mixer calls to compute (prefill, decode, verify) is
-the subclass's own (`backend.SSMBackend` for Mamba2, `gated_delta_baseline` for Gated DeltaNet).
+the subclass's own (`backend.SSMBackend` for Mamba2, `gated_delta_backend.GatedDeltaBackend` for Gated
+DeltaNet).
 
 Both kinds hold per layer a conv state (slots, conv_dim, K - 1) and a recurrent state whose row
 is one slot's (`ssm_state`), and with speculation the baseline's state after each verified token
-(`spec_states`, (slots, T, ...)).
+(`spec_states`, (slots, T, ...) for Mamba2, (rows, T, ...) for Gated DeltaNet).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class SlotStateBackend(ABC):
     layout: SlotLayout
     conv_state: list[torch.Tensor]  # per layer, (slots, conv_dim, K - 1)
     ssm_state: list[torch.Tensor]  # per layer, (slots, ...) the recurrent state (the checkpoint for replay)
-    spec_states: list[torch.Tensor]  # baseline verify: (slots, T, ...), the state after each token
+    spec_states: list[torch.Tensor]  # baseline verify: (slots or rows, T, ...), the state after each token
     # The last verify step's conv windows per layer and accepted counts, kept until the next step
     # so boundary states inside it can still be published.
     _windows: dict[int, torch.Tensor]
@@ -90,9 +91,14 @@ class SlotStateBackend(ABC):
             j, width = self._accepted[rows] - lag, self.layout.conv_kernel - 1  # j >= 1: tokens to the boundary
             for layer in range(self.layout.num_layers):
                 self.conv_state[layer][dst] = conv_state_after(self._windows[layer][rows], j, width)
-                self.ssm_state[layer][dst] = self.spec_states[layer][src, j.long() - 1]
+                self.ssm_state[layer][dst] = self._verified_state(layer, rows, src, j)
         else:  # plain decode: the live state is canonical after every step
             self.copy_slots(src, dst)
+
+    def _verified_state(self, layer: int, rows: torch.Tensor, slots: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        """The last verify's state after the first j tokens of decode rows `rows` (their slots
+        `slots`), (M, ...): `spec_states` is indexed by slot here (Mamba2's baseline)."""
+        return self.spec_states[layer][slots, j.long() - 1]
 
     def begin_step(self, slots: torch.Tensor, num_tokens: torch.Tensor) -> None:
         """Before the forward: the decode rows' slots (B,) int64 and tokens per row (B,) int32."""

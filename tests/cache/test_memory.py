@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from replayserve import LLM
-from replayserve.builtin.tiny import tiny_config
+from replayserve.builtin.tiny import make_tiny, tiny_config
 from replayserve.cache import memory as cache_memory
 from replayserve.cache.memory import available_bytes, cache_bytes, check_cache_fit
 from replayserve.config import ConfigError, EngineConfig, ModelConfig
@@ -44,6 +44,23 @@ def test_cache_bytes_are_what_the_runner_allocates(tiny_model_dir: Path, kwargs:
     kv, mamba = _allocated(llm.engine)
     assert kv > 0 and mamba > 0
     assert cache_bytes(llm.config, torch.bfloat16) == (kv, mamba)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"speculative": SPEC}, {"ssm_backend": "replay"}, {"ssm_backend": "replay", "speculative": SPEC},
+     {"ssm_backend": "replay", "enable_prefix_caching": True, "mamba_cache_mode": "all"},
+     {"speculative": SPEC, "enable_prefix_caching": True, "mamba_cache_mode": "all"}],
+)
+def test_gated_delta_cache_bytes_are_what_the_runner_allocates(tmp_path: Path, kwargs: dict) -> None:
+    """The Gated DeltaNet backends: per-position verify states (baseline), rings and cursors (ReplaySSM)."""
+    llm = LLM(model=str(make_tiny(tmp_path, family="qwen3_5")), dtype="bfloat16", device="cpu", max_num_seqs=3,
+              max_model_len=64, block_size=8, **kwargs)
+    kv, states = _allocated(llm.engine)
+    assert kv > 0 and states > 0
+    assert cache_bytes(llm.config, torch.bfloat16) == (kv, states)
+    for spec in llm.engine.runner.ssm.spec_states:  # one per step row (max_num_seqs), not per slot
+        assert spec.shape[:2] == (3, 3)
 
 
 def test_oversized_kv_cache_is_refused_before_allocating(tiny_model_dir: Path) -> None:

@@ -19,7 +19,16 @@ from transformers import (
     Qwen3NextConfig,
 )
 
-from replayserve.config import ATTENTION, GATED_DELTA, MLP, MOE, ConfigError, EngineConfig, ModelConfig
+from replayserve.config import (
+    ATTENTION,
+    GATED_DELTA,
+    MLP,
+    MOE,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    SpeculativeConfig,
+)
 
 _SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
@@ -112,6 +121,14 @@ def test_nemotron_h_refuses_the_gdn_keys() -> None:
                                   "linear_num_key_heads": 2})
 
 
-def test_replay_backend_is_refused_for_gdn_models_naming_ssm_backend() -> None:
-    with pytest.raises(ConfigError, match="ssm_backend"):
-        EngineConfig(model=_next(), ssm_backend="replay", device="cpu", dtype="float32")
+def test_replay_backend_on_gdn_models_defaults_to_a_power_of_two_ring() -> None:
+    """R = W + T of 32 (plain decode) or 16 (speculation, doubled while W < T); an explicit window stays."""
+    def window(**kw: object) -> int:
+        return EngineConfig(model=_next(), ssm_backend="replay", device="cpu", dtype="float32",
+                            **kw).resolved_replay_window  # type: ignore[arg-type]
+
+    assert window() == 31 and window(replay_window=8) == 8
+    assert window(speculative=SpeculativeConfig("ngram", 3)) == 12
+    assert window(speculative=SpeculativeConfig("ngram", 9)) == 22
+    with pytest.raises(ConfigError, match="dtype"):
+        EngineConfig(model=_next(), ssm_backend="replay", device="cuda", dtype="float64")

@@ -1,7 +1,7 @@
 """The randomized differential fuzzer (tests/engine/fuzz_engine.py) on a few dozen seeded
 workloads: backends x cache modes x speculation, stops, aborts, faults at every stage of a step,
 small pools. Tokens equal the solo run's and every pool ends full. A few workloads on each of the
-other families' tiny models too."""
+other families' tiny models too (Gated DeltaNet's included, on both of its backends)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def test_fuzzed_workloads_equal_the_solo_runs_and_free_everything(fuzz_setup) ->
     assert fired >= WORKLOADS // 2
 
 
-@pytest.mark.parametrize("family", ["granite", "bamba", "falcon_h1"])
+@pytest.mark.parametrize("family", ["granite", "bamba", "falcon_h1", "qwen3_next", "qwen3_5", "qwen3_5_moe"])
 def test_fuzzed_workloads_of_every_family(family: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     models = fuzz_engine.make_models_of(Path(tmp_path_factory.mktemp(f"fuzz_{family}")), family)
     reference = fuzz_engine.Reference(models)
@@ -45,3 +45,5 @@ def test_fuzzed_workloads_of_every_family(family: str, tmp_path_factory: pytest.
     for workload in workloads:
         fuzz_engine.run_workload(workload, reference, models)
     assert len({w.options.get("speculative", {}).get("method") for w in workloads}) >= 2
+    assert {w.options["ssm_backend"] for w in workloads} == {"baseline", "replay"}
+    assert any(w.options["async_scheduling"] for w in workloads)

@@ -1,7 +1,9 @@
 """The Gated DeltaNet families (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) give the same float64 greedy tokens
-whatever the engine does around the model, on the baseline GDN backend: prefix caching none /
-align / all (hits included), n-gram and draft-model speculation, and speculation with chunked prefill and
-preemption (an oracle proposer whose drafts are partly wrong, so rollback commits mid-row)."""
+whatever the engine does around the model, on the baseline and the ReplaySSM GDN backends: prefix caching
+none / align / all (hits included), n-gram and draft-model speculation, and speculation with chunked prefill
+and preemption (an oracle proposer whose drafts are partly wrong, so rollback commits mid-row). The
+reference is the baseline without caching or speculation: ReplaySSM (window 5, so flushes come every few
+steps and inside verifies) must give its tokens too."""
 
 from __future__ import annotations
 
@@ -29,10 +31,11 @@ def gdn_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return model_dir, draft_dir, _workload(_llm(model_dir).engine)
 
 
-@pytest.mark.parametrize(("mode", "spec"), [("align", None), ("all", None), (None, "ngram"), ("all", "ngram"),
-                                            ("align", "draft")])
+@pytest.mark.parametrize("backend", ["baseline", "replay"])
+@pytest.mark.parametrize(("mode", "spec"), [("none", None), ("align", None), ("all", None), (None, "ngram"),
+                                            ("all", "ngram"), ("align", "draft")])
 def test_greedy_tokens_equal_across_caching_and_speculation(gdn_model: tuple[Path, Path, list], mode: str | None,
-                                                            spec: str | None) -> None:
+                                                            spec: str | None, backend: str) -> None:
     model_dir, draft_dir, reference = gdn_model
     assert len({t for _, out in reference for t in out}) > 8  # not one repeated token
     kw: dict[str, object] = {}
@@ -40,11 +43,11 @@ def test_greedy_tokens_equal_across_caching_and_speculation(gdn_model: tuple[Pat
         kw["speculative"] = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
     elif spec == "draft":
         kw["speculative"] = {"method": "draft", "num_speculative_tokens": 2, "model": str(draft_dir)}
-    llm = _llm(model_dir, "baseline", mode, **kw)
+    llm = _llm(model_dir, backend, mode, **kw)
     assert _workload(llm.engine) == reference
     metrics = llm.get_metrics()
-    if mode is not None:
-        assert metrics["prefix_cache_hits"] > 0
+    if mode is not None:  # mode none keeps no recurrent state, so a hybrid model never hits
+        assert (metrics["prefix_cache_hits"] > 0) == (mode != "none")
     if spec:
         assert metrics["spec_num_draft_tokens"] > 0
     assert_pools_full(llm)
@@ -56,8 +59,10 @@ def _prompts() -> list[list[int]]:
     return [shared + torch.randint(3, 500, (n,), generator=gen).tolist() for n in (1, 18, 5)] + [shared[:7]]
 
 
+@pytest.mark.parametrize("backend", ["baseline", "replay"])
 @pytest.mark.parametrize("mode", [None, "all"])
-def test_spec_with_chunking_preemption_and_rollback(gdn_model: tuple[Path, Path, list], mode: str | None) -> None:
+def test_spec_with_chunking_preemption_and_rollback(gdn_model: tuple[Path, Path, list], mode: str | None,
+                                                    backend: str) -> None:
     model_dir, _, _ = gdn_model
     plain = LLM(model=str(model_dir), dtype="float64", device="cpu", max_num_seqs=4)
     want = [o.token_ids for o in plain.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY,
@@ -67,7 +72,7 @@ def test_spec_with_chunking_preemption_and_rollback(gdn_model: tuple[Path, Path,
     # A 10-token budget chunks prefills and squeezes drafts; 20 blocks of 4 force preemptions.
     llm = LLM(model=str(model_dir), dtype="float64", device="cpu", max_num_seqs=4, block_size=4, num_kv_blocks=20,
               max_model_len=72, max_num_batched_tokens=10, enable_prefix_caching=mode is not None,
-              mamba_cache_mode=mode or "none", mamba_block_size=4,
+              mamba_cache_mode=mode or "none", mamba_block_size=4, ssm_backend=backend,
               speculative={"method": "custom", "num_speculative_tokens": 3, "proposer": proposer})
     outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == want

@@ -157,6 +157,11 @@ def test_eager_steps_after_warm_up_launch_no_new_kernel_variant(moe_model_dir: P
     recorded by its compile-time key instead of run (the engine's control flow does not read the
     values); no decode graphs, so every step is eager. Serving a varied workload after the warm-up
     launches no key the warm-up did not. (The decode graphs' shapes are the test above's.)"""
+    _assert_serving_launches_no_new_variant(moe_model_dir, backend, extra, monkeypatch, min_variants=20)
+
+
+def _assert_serving_launches_no_new_variant(model_dir: Path, backend: str, extra: dict,
+                                            monkeypatch: pytest.MonkeyPatch, min_variants: int) -> None:
     from triton.runtime.interpreter import InterpretedFunction
 
     launched: dict[tuple, str] = {}
@@ -164,7 +169,7 @@ def test_eager_steps_after_warm_up_launch_no_new_kernel_variant(moe_model_dir: P
     monkeypatch.setattr(InterpretedFunction, "run", lambda kernel, *args, grid, warmup, **kwargs:
                         launched.setdefault(_launch_key(kernel, args, kwargs), phase[0]))
     with force_triton():
-        llm = LLM(model=str(moe_model_dir), dtype="float32", device="cpu", max_model_len=256, ssm_backend=backend,
+        llm = LLM(model=str(model_dir), dtype="float32", device="cpu", max_model_len=256, ssm_backend=backend,
                   **{"max_num_batched_tokens": 64, **extra})
         vocab = llm.config.model.vocab_size  # the kernels leave their outputs unwritten: greedy tokens from zeros
         monkeypatch.setattr(llm.engine.runner.model, "compute_logits",
@@ -174,7 +179,7 @@ def test_eager_steps_after_warm_up_launch_no_new_kernel_variant(moe_model_dir: P
         for seed in range(3):
             _varied_workload(llm, seed)
     late = [key for key, seen in launched.items() if seen == "serving"]
-    assert len(launched) > 20 and late == [], f"first launched while serving: {late}"
+    assert len(launched) > min_variants and late == [], f"first launched while serving: {late}"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton compiles and CUDA graphs need a GPU")
@@ -203,3 +208,23 @@ def test_serving_after_warm_up_compiles_and_captures_nothing(moe_model_dir: Path
     assert compiled == [], f"compiled while serving: {compiled}"
     assert (set(graphs._graphs) if graphs is not None else set()) == captured
     assert_pools_full(llm)
+
+
+@pytest.fixture(scope="module")
+def gdn_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("warmup-gdn"), seed=0, family="qwen3_5")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the test below counts Triton's own compiles")
+# A state grid of 16 tokens: the Qwen configs' default (lcm(block_size, chunk_size 128)) leaves the warm-up's
+# prefix hit no grid point to publish in decode within max_model_len 256.
+@pytest.mark.parametrize(("backend", "extra"), [
+    ("replay", {**PREFIX_ALL, "max_num_seqs": 6, "mamba_block_size": 16}),
+    ("baseline", {"speculative": {"method": "ngram", "num_speculative_tokens": 3}, "max_num_seqs": 11}),
+    ("replay", {"speculative": {"method": "ngram", "num_speculative_tokens": 3}, "max_num_seqs": 5}),
+], ids=["replay-prefix-all", "baseline-ngram", "replay-ngram"])
+def test_gdn_eager_steps_after_warm_up_launch_no_new_kernel_variant(gdn_model_dir: Path, backend: str, extra: dict,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test above on a Gated DeltaNet model: the varlen conv with and without captures, the
+    decode and verify kernels of both GDN backends, ReplaySSM-GDN's flush and materialization."""
+    _assert_serving_launches_no_new_variant(gdn_model_dir, backend, extra, monkeypatch, min_variants=10)
