@@ -214,3 +214,16 @@ def causal_conv1d_varlen_ref(
             conv_state[dst] = conv_state[slot]
         ys.append(y)
     return torch.cat(ys)
+
+
+def causal_conv1d_varlen(x: Tensor, weight: Tensor, bias: Tensor | None, conv_state: Tensor, state_slots: Tensor,
+                         cu_seqlens: Tensor, captures: tuple[Tensor, Tensor, Tensor] | None = None,
+                         end_slots: Tensor | None = None) -> Tensor:
+    """``causal_conv1d_varlen_ref`` with silu, by its kernel where it serves the pool `conv_state`."""
+    if use_triton(conv_state):
+        from replayserve.ops.conv1d_varlen_triton import causal_conv1d_varlen_triton
+
+        return causal_conv1d_varlen_triton(x, weight, bias, conv_state, state_slots, cu_seqlens,
+                                           captures=captures, end_slots=end_slots)
+    return causal_conv1d_varlen_ref(x, weight, bias, conv_state, state_slots, cu_seqlens, captures=captures,
+                                    end_slots=end_slots)

@@ -22,8 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from replayserve.ops.conv1d import causal_conv1d_varlen_ref
-from replayserve.ops.dispatch import use_triton
+from replayserve.ops.conv1d import causal_conv1d_varlen
 from replayserve.ops.gated_delta import chunk_gated_delta
 from replayserve.ssm.layout import GatedDeltaLayout
 from replayserve.ssm.params import Segment
@@ -61,11 +60,8 @@ class GatedDeltaBackend(SlotStateBackend):
         lo, hi = segments[0][0], segments[-1][1]
         conv_state, ssm_state = self.conv_state[layer], self.ssm_state[layer]
         meta = self._prefill_meta(segments)
-        conv = causal_conv1d_varlen_ref
-        if use_triton(conv_state):  # imported here: the module imports Triton
-            from replayserve.ops.conv1d_varlen_triton import causal_conv1d_varlen_triton as conv
-        mixed = conv(qkv[lo:hi], conv_weight, None, conv_state, meta["slots"], meta["cu_seqlens"],
-                     captures=meta["conv_captures"], end_slots=meta["end_slots"])
+        mixed = causal_conv1d_varlen(qkv[lo:hi], conv_weight, None, conv_state, meta["slots"], meta["cu_seqlens"],
+                                     captures=meta["conv_captures"], end_slots=meta["end_slots"])
         q, k, v = self.layout.split_qkv(mixed)
         o, finals, captured = chunk_gated_delta(q, k, v, g[lo:hi], beta[lo:hi], meta["cu_seqlens"],
                                                 initial_state=ssm_state, state_indices=meta["slots"],

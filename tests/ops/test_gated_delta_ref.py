@@ -24,7 +24,12 @@ def test_matches_transformers_recurrent_fallback():
     # Where fla is importable, transformers' decorator serves fla's kernel under the torch name;
     # __wrapped__ is its own torch fallback either way.
     fallback = modeling.torch_recurrent_gated_delta_rule.__wrapped__
-    o_hf, s_hf = fallback(q, k, v, g, beta, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    # Key heads expanded here (each serving Hv // Hk value heads): transformers before 5.24 takes
+    # equal head counts only. The GQA layout is held to transformers' by tests/models/test_qwen_parity.py.
+    hv = v.shape[2]
+    q_hf, k_hf = (t.repeat_interleave(hv // t.shape[2], dim=2) for t in (q, k))
+    o_hf, s_hf = fallback(q_hf, k_hf, v, g, beta, initial_state=s0, output_final_state=True,
+                          use_qk_l2norm_in_kernel=True)
     torch.testing.assert_close(o, o_hf, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(s, s_hf, rtol=1e-5, atol=1e-5)
 

@@ -98,13 +98,15 @@ def test_entry_points_take_the_kernels_under_force_triton():
     inputs = [q, k, v.to(DEVICE), g.to(DEVICE), beta.to(DEVICE)]
     with force_triton():
         o = ref.replay_gdn_step(*pool, *cursors, slots, n, *inputs, use_qk_l2norm=True, pad_slot=2)
-    o_ref = ref.replay_gdn_step(*ref_pool, *cursors, slots, n, *inputs, use_qk_l2norm=True, pad_slot=2)
+    # The references by name: on a GPU the entry points take the kernels even without force_triton.
+    o_ref = ref.replay_gdn_step_ref(*ref_pool, *cursors, slots.masked_fill(slots == 2, -1), n, *inputs,
+                                    use_qk_l2norm=True)
     torch.testing.assert_close(o[:2], o_ref[:2], rtol=1e-5, atol=1e-5)
     assert not o_ref[2].any(), "the reference skips the pad slot's row"
     args = (torch.tensor([0], device=DEVICE), torch.tensor([2], device=DEVICE), cursors[0][:1], cursors[1][:1])
     with force_triton():
         ref.replay_gdn_materialize(*pool, *args, use_qk_l2norm=True)
-    ref.replay_gdn_materialize(*ref_pool, *args, use_qk_l2norm=True)
+    ref.replay_gdn_materialize_ref(*ref_pool, *args, use_qk_l2norm=True)
     torch.testing.assert_close(pool[0][2], ref_pool[0][2], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="ring shapes"):
         ref.replay_gdn_step(pool[0], pool[1][:, :, :4], *pool[2:], *cursors, slots, n, *inputs)
