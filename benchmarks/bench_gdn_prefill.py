@@ -21,10 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from roofline import measure_rates  # noqa: E402
+from roofline import measure_rates, median_seconds  # noqa: E402
 from shapes import SIZES, model_config, random_model  # noqa: E402
 
 from replayserve.config import GATED_DELTA, MLP, ModelConfig  # noqa: E402
@@ -85,24 +82,6 @@ class Prefill:
         g, beta = self.layer.gates(b, a)
         o = self.rule(self.conv(qkv), g, beta)
         return self.layer.out_proj(self.layer.norm(o, z).reshape(hidden.shape[0], -1))
-
-
-def median_seconds(fn: Callable[[], object], device: str, iters: int) -> float:
-    fn()  # warm-up: kernels compiled, fla's autotuning done
-    times = []
-    for _ in range(iters):
-        if device.startswith("cuda"):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def check(prefill: Prefill, hidden: torch.Tensor, lengths: list[int]) -> dict[str, float]:
@@ -160,9 +139,10 @@ def main(argv: list[str] | None = None) -> dict:
         qkv, z, b, a = layer.project(hidden)
         g, beta = layer.gates(b, a)
         mixed = prefill.conv(qkv)
-        layer_s = median_seconds(lambda: prefill(hidden), args.device, args.iters)
-        rule_s = median_seconds(lambda: prefill.rule(mixed, g, beta), args.device, args.iters)
-        proj_s = median_seconds(lambda: (layer.project(hidden), layer.out_proj(z.flatten(1))), args.device,
+        device = torch.device(args.device)
+        layer_s = median_seconds(lambda: prefill(hidden), device, args.iters)
+        rule_s = median_seconds(lambda: prefill.rule(mixed, g, beta), device, args.iters)
+        proj_s = median_seconds(lambda: (layer.project(hidden), layer.out_proj(z.flatten(1))), device,
                                 args.iters)
     mfu = linear_flops(layer, tokens) / layer_s / rates["matmul_flop_per_s"]
     name = torch.cuda.get_device_name() if cuda else "CPU"

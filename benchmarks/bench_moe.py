@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from roofline import _median_seconds, measure_rates  # noqa: E402
+from roofline import measure_rates, median_seconds  # noqa: E402
 from shapes import SIZES, model_config  # noqa: E402
 
 from replayserve.config import ModelConfig  # noqa: E402
@@ -111,13 +111,13 @@ def reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 def measure(moe: MoE, x: torch.Tensor, rates: dict[str, float], args: argparse.Namespace) -> dict:
     """One row: x (T, hidden) through the fused path (eager and graphed) and the reference."""
     nbytes, flops, used = bytes_and_flops(moe, x)
-    fused_s = _median_seconds(lambda: moe(x), x.device, args.reps)
-    graph_s = _median_seconds(graphed(lambda: moe(x)), x.device, args.reps)
+    fused_s = median_seconds(lambda: moe(x), x.device, args.reps)
+    graph_s = median_seconds(graphed(lambda: moe(x)), x.device, args.reps)
     folds = moe.num_folded and x.shape[0] <= mlp.FOLD_SHARED_MAX_TOKENS
     unfolded_s = float("nan")
     if folds:  # the same call with the shared expert on cuBLAS, beside the routed experts' kernels
         limit, mlp.FOLD_SHARED_MAX_TOKENS = mlp.FOLD_SHARED_MAX_TOKENS, 0
-        unfolded_s = _median_seconds(graphed(lambda: moe(x)), x.device, args.reps)
+        unfolded_s = median_seconds(graphed(lambda: moe(x)), x.device, args.reps)
         mlp.FOLD_SHARED_MAX_TOKENS = limit
     best = min(fused_s, graph_s)
     row = {"tokens": x.shape[0], "experts_used": used, "fused_us": fused_s * 1e6, "graph_us": graph_s * 1e6,
@@ -128,7 +128,7 @@ def measure(moe: MoE, x: torch.Tensor, rates: dict[str, float], args: argparse.N
     if not args.no_ref:
         want = reference(moe, x).float()
         row["max_rel_err"] = ((moe(x).float() - want).abs().max() / want.abs().max()).item()
-        row["ref_us"] = _median_seconds(lambda: reference(moe, x), x.device, max(3, args.reps // 4)) * 1e6
+        row["ref_us"] = median_seconds(lambda: reference(moe, x), x.device, max(3, args.reps // 4)) * 1e6
     print(f"{x.shape[0]:>6} {used:>7} {fused_s * 1e6:>9.1f} {graph_s * 1e6:>9.1f} {unfolded_s * 1e6:>9.1f} "
           f"{row['ref_us']:>9.1f} "
           f"{row['ref_us'] / (best * 1e6):>9.2f} {100 * row['bytes_share']:>7.1f}% {100 * row['flops_share']:>7.1f}% "
@@ -149,7 +149,7 @@ def sweep(moe: MoE, x: torch.Tensor, reps: int) -> dict:
         except Exception as e:  # noqa: BLE001 - a tile that does not fit (shared memory) is skipped
             print(f"  skipped {config}: {type(e).__name__}", file=sys.stderr)
             continue
-        times[config] = _median_seconds(run, x.device, reps) * 1e6
+        times[config] = median_seconds(run, x.device, reps) * 1e6
     best = min(times, key=times.__getitem__)
     print(f"  T={x.shape[0]}: default {times[default]:.1f} us {default}; best {times[best]:.1f} us {best}", flush=True)
     return {"tokens": x.shape[0], "default_us": times[default], "best_us": times[best], "best": vars(best)}

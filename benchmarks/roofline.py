@@ -27,7 +27,7 @@ from replayserve.models.nemotron_h import NemotronHForCausalLM
 from replayserve.ssm.layout import GatedDeltaLayout, MambaLayout
 
 
-def _median_seconds(fn: Callable[[], object], device: torch.device, reps: int = 10) -> float:
+def median_seconds(fn: Callable[[], object], device: torch.device, reps: int = 10) -> float:
     for _ in range(2):
         fn()
     times = []
@@ -52,10 +52,10 @@ def measure_rates(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     big = device.type == "cuda"
     size, n = (1 << 30, 8192) if big else (1 << 26, 1024)
     buffers = [torch.ones(size, dtype=torch.uint8, device=device) for _ in range(2)]
-    copy_s = _median_seconds(lambda: buffers[1].copy_(buffers[0]), device)
+    copy_s = median_seconds(lambda: buffers[1].copy_(buffers[0]), device)
     buffers.clear()
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
-    mm_s = _median_seconds(lambda: a @ b, device)
+    mm_s = median_seconds(lambda: a @ b, device)
     return {"copy_bytes_per_s": 2 * size / copy_s, "matmul_flop_per_s": 2 * n**3 / mm_s}
 
 
