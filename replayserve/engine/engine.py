@@ -272,10 +272,12 @@ class Engine:
         tokens and publishes what they filled, then finishes the requests that stopped. Returns
         the tokens each row appended and the finished requests."""
         outcomes = [self._outcome(r, res) for r, res in zip(sampling, results, strict=True)]
+        grammar_kept = (self.grammars.accept_all(sampling, [o[0] for o in outcomes]) if len(self.grammars)
+                        else [None] * len(sampling))
         emitted: dict[str, int] = {}
         stopped: list[tuple[Request, Stop]] = []
-        for request, (tokens, logprobs, ranks, stop) in zip(sampling, outcomes, strict=True):
-            if request.request_id in self.grammars and (kept := self.grammars.accept(request, tokens)) is not None:
+        for request, (tokens, logprobs, ranks, stop), kept in zip(sampling, outcomes, grammar_kept, strict=True):
+            if kept is not None:
                 # The grammar ended (its stop token): the request stops there.
                 stop = stop if stop is not None and kept == len(tokens) else Stop("stop", None, None)
                 tokens, logprobs, ranks = tokens[:kept], logprobs[:kept], ranks[:kept]

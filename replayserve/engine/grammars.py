@@ -23,10 +23,12 @@ from typing import TYPE_CHECKING
 from replayserve.engine.request import Request
 from replayserve.ops.token_bitmask import TokenMask
 from replayserve.structured.compiler import GrammarCompiler
-from replayserve.structured.request_grammar import RequestGrammar
+from replayserve.structured.request_grammar import GrammarViolation, RequestGrammar
 from replayserve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    import xgrammar
+
     from replayserve.engine.scheduler import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,10 @@ class Grammars:
         self._batch = None  # xgrammar.BatchGrammarMatcher: fills a step's masks on several threads
         self._grammars: dict[str, RequestGrammar] = {}  # by request id
         self._compiling: dict[str, Request] = {}
+
+    def __len__(self) -> int:
+        """Requests with a grammar (compiled or compiling)."""
+        return len(self._grammars)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._grammars
@@ -108,8 +114,6 @@ class Grammars:
         (verification never emits them)."""
         import xgrammar as xgr
 
-        if self._batch is None:
-            self._batch = xgr.BatchGrammarMatcher()
         firsts = []
         positions: list[int] = []
         for _, first, drafts in rows:
@@ -123,7 +127,7 @@ class Grammars:
                 live = [i for i in live if len(rows[i][2]) >= depth]
                 if not live:
                     break
-                self._batch.batch_fill_next_token_bitmask([rows[i][0].matcher for i in live], bitmask,
+                self._batch_matcher().batch_fill_next_token_bitmask([rows[i][0].matcher for i in live], bitmask,
                                                           [firsts[i] + depth for i in live])
                 going = []
                 for i in live:
@@ -139,10 +143,37 @@ class Grammars:
                     grammar.matcher.rollback(n)
         return TokenMask(bitmask, tuple(positions))
 
-    def accept(self, request: Request, tokens: Sequence[int]) -> int | None:
-        """The constrained request's grammar advances over the ``tokens`` a step appends to its
-        output; how many of them to keep when it ended (then the request stops), else None."""
-        return self._grammars[request.request_id].accept(request.output_token_ids, tokens, self._decode)
+    def accept_all(self, requests: Sequence[Request], tokens: Sequence[Sequence[int]]) -> list[int | None]:
+        """Each constrained request's grammar advances over the tokens a step appends to its
+        output: how many of them to keep when it ended (then the request stops), else None (None
+        too for a request without a grammar). Called before any output grows. Rows of one token
+        past their reasoning go to the matchers together, on xgrammar's threads: a step of many
+        constrained decode rows spends its host time here. A refused token raises
+        GrammarViolation once every other matcher has taken its token (a failed step's take-back
+        rolls each back)."""
+        kept: list[int | None] = [None] * len(requests)
+        together: list[tuple[int, RequestGrammar]] = []
+        for i, (request, new) in enumerate(zip(requests, tokens, strict=True)):
+            grammar = self._grammars.get(request.request_id)
+            if grammar is None:
+                continue
+            if grammar.takes_one(new):
+                together.append((i, grammar))
+            else:
+                kept[i] = grammar.accept(request.output_token_ids, new, self._decode)
+        if not together:
+            return kept
+        took = self._batch_matcher().batch_accept_token([g.matcher for _, g in together],
+                                                        [tokens[i][0] for i, _ in together])
+        refused: GrammarViolation | None = None
+        for (i, grammar), ok in zip(together, took, strict=True):
+            try:
+                kept[i] = grammar.accepted(ok, requests[i].output_token_ids, tokens[i][0])
+            except GrammarViolation as e:
+                refused = refused or e
+        if refused is not None:
+            raise refused
+        return kept
 
     def take_back(self, requests: Iterable[Request], lengths: Iterable[int]) -> None:
         """A failed step: each request's output goes back to its length, and its matcher with it."""
@@ -154,6 +185,13 @@ class Grammars:
     def forget(self, request_id: str) -> None:
         self._grammars.pop(request_id, None)
         self._compiling.pop(request_id, None)
+
+    def _batch_matcher(self) -> xgrammar.BatchGrammarMatcher:
+        if self._batch is None:
+            import xgrammar as xgr
+
+            self._batch = xgr.BatchGrammarMatcher()
+        return self._batch
 
     def _decode(self, ids: list[int]) -> str:
         assert self._tokenizer is not None

@@ -89,6 +89,21 @@ class RequestGrammar:
                 return j + 1
         return None
 
+    def takes_one(self, new: Sequence[int]) -> bool:
+        """``new`` is one token past the reasoning block: a batched accept can hand it to the matcher
+        (then ``accepted`` follows), with no reasoning-end check to run."""
+        return len(new) == 1 and self.start is not None and self.matcher is not None
+
+    def accepted(self, took: bool, output: Sequence[int], token: int) -> int | None:
+        """The matcher was handed ``token`` after ``output`` by a batched accept and ``took`` it or
+        not: as ``accept(output, [token], ...)`` from there on."""
+        assert self.matcher is not None
+        if not took:
+            raise GrammarViolation(f"token {token} is not allowed by the request's grammar at output position "
+                                   f"{len(output)}")
+        self.consumed = len(output) + 1
+        return 1 if self.matcher.is_terminated() else None
+
     def take_back(self, length: int) -> None:
         """The output is cut back to ``length`` tokens (a failed step): the matcher follows."""
         if self.start is None or self.consumed <= length:

@@ -186,3 +186,40 @@ def test_the_grammar_waits_for_the_reasoning_block_to_close(code_llm: LLM) -> No
         choice=CHOICES, reasoning_markers=("<think>", "</think>")))
     reply = code_llm.generate("<think>\n\n</think>\n\n", closed, use_tqdm=False)[0].outputs[0]
     assert reply.text in CHOICES, "a prompt that closed the block starts the grammar at once"
+
+
+def test_a_refused_token_fails_the_step_and_every_matcher_goes_back(tiny_model_dir: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's one-token rows reach their matchers together (`Grammars.accept_all`): when one
+    token is refused, the others have been taken; the step fails and the take-back returns every
+    matcher to its output, after which the requests finish as they would have."""
+    from replayserve.structured.request_grammar import GrammarViolation
+
+    params = SamplingParams(temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(regex=EMAIL))
+    llm = LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", max_num_seqs=3)
+    prompts = ["def f(x):", "import os", "class A:"]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    engine = llm.engine
+    requests = [engine.add_request(llm.tokenizer.encode(p), params) for p in prompts]
+    while not all(len(r.output_token_ids) >= 3 for r in requests):
+        engine.step()
+    grammar = engine.grammars._grammars[requests[1].request_id]
+    refused = next(t for t in range(llm.config.model.vocab_size)
+                   if not grammar.matcher.accept_token(t) or grammar.matcher.rollback(1))
+    outcome = engine._outcome
+
+    def refuse_on_the_middle_row(request, result):  # noqa: ANN001, ANN202
+        new, logprobs, ranks, stop = outcome(request, result)
+        return ([refused], logprobs, ranks, None) if request is requests[1] else (new, logprobs, ranks, stop)
+
+    monkeypatch.setattr(engine, "_outcome", refuse_on_the_middle_row)
+    before = [list(r.output_token_ids) for r in requests]
+    with pytest.raises(GrammarViolation, match=f"token {refused} is not allowed"):
+        engine.step()
+    assert [r.output_token_ids for r in requests] == before
+    for request in requests:
+        assert engine.grammars._grammars[request.request_id].consumed == len(request.output_token_ids)
+    monkeypatch.setattr(engine, "_outcome", outcome)
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.output_token_ids for r in requests] == expected
