@@ -41,17 +41,13 @@ runs step N); e.g. sync against async in one run, on the H200:
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import json
 import math
 import statistics
 import sys
 import time
 import traceback
-import warnings
-from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -59,6 +55,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from e2e_common import free_memory, gc_off, random_prompts, sync_fn  # noqa: E402,F401 - the others import them from here
+from e2e_hf import hf_rows  # noqa: E402
+from e2e_profile import profile_steps  # noqa: E402
 from e2e_report import plot, print_tables  # noqa: E402
 from roofline import STATE_PARTS, decode_ops, floors, measure_rates, prefill_flops  # noqa: E402
 from shapes import FAMILY, SIZES, model_config, random_model  # noqa: E402
@@ -67,7 +66,6 @@ from replayserve.build import assemble_engine  # noqa: E402
 from replayserve.config import ConfigError, EngineConfig  # noqa: E402
 from replayserve.engine.engine import Engine  # noqa: E402
 from replayserve.engine.request import Status  # noqa: E402
-from replayserve.layers.mlp import MoE  # noqa: E402
 from replayserve.models.fp8_loading import quantize_model_fp8  # noqa: E402
 from replayserve.models.nemotron_h import NemotronHForCausalLM  # noqa: E402
 from replayserve.models.quantization import QuantConfig  # noqa: E402
@@ -133,32 +131,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def sync_fn(device: torch.device) -> Callable[[], None]:
-    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-
-@contextlib.contextmanager
-def gc_off() -> Iterator[None]:
-    """The collector's pauses would land in whichever step they hit."""
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
-def free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (n, length), generator=gen).tolist()
-
-
 def engine_config(model: NemotronHForCausalLM, args: argparse.Namespace, backend: str, seqs: int,
                   max_len: int) -> EngineConfig:
     """KV blocks and Mamba slots for exactly `seqs` sequences of `max_len` tokens; a token budget that
@@ -208,66 +180,6 @@ def fits(model: NemotronHForCausalLM, config: EngineConfig, device: torch.device
     activations = 6 * config.max_num_batched_tokens * widths * model.backbone.embeddings.weight.element_size()
     need, free = resident_bytes(model, config) + activations, torch.cuda.mem_get_info(device)[0]
     return None if need < 0.95 * free else f"needs ~{need / GiB:.1f} GiB, {free / GiB:.1f} GiB free"
-
-
-def gpu_ms_by_step(kernels: list, marker: str, per_step: int) -> list[float]:
-    """Kernel ms of each whole step in a profile: a step starts at every `per_step`-th launch of `marker`
-    (the SSM step kernel, one per Mamba layer), so ReplaySSM's flush steps show as their own entries.
-    kernels: profiler events with `.name` and `.time_range`, in any order."""
-    ordered = sorted(kernels, key=lambda e: e.time_range.start)
-    starts = [i for i, e in enumerate(ordered) if e.name == marker][::per_step]
-    spans = zip(starts[:-1], starts[1:], strict=True)  # the last step has no next start: left out
-    return [sum(e.time_range.elapsed_us() for e in ordered[a:b]) / 1e3 for a, b in spans]
-
-
-def step_marker(config: EngineConfig) -> tuple[str, int]:
-    """(the kernel each recurrent layer launches once per decode step, recurrent layers): Mamba2's state
-    update, else the Gated DeltaNet step (the baseline's Triton kernel; where the backend runs the
-    reference ops there is none, and the profile has no per-step split)."""
-    m, replay = config.model, config.ssm_backend == "replay"
-    if m.num_mamba_layers:
-        return ("_replay_step_kernel" if replay else "_ssu_kernel"), m.num_mamba_layers
-    return ("_replay_gdn_read_kernel" if replay else "_gated_delta_kernel"), m.num_gated_delta_layers
-
-
-def profile_steps(engine: Engine, steps: int, sync: Callable[[], None]) -> dict:
-    """Per-step GPU time and CUDA API calls of `steps` decode steps under torch.profiler."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
-    with gc_off(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        sync()
-        wall = time.perf_counter() - t0
-    events = prof.events()
-    gpu = [e for e in events if e.device_type == DeviceType.CUDA]
-    copies = [e for e in gpu if e.name.startswith(("Memcpy", "Memset"))]
-    kernels = [e for e in gpu if not e.name.startswith(("Memcpy", "Memset"))]
-    # Runtime (cuda*) and driver (cu*) calls are CPU-side events; aten ops are named aten::*.
-    calls = Counter(e.name for e in events if e.device_type == DeviceType.CPU and e.name.startswith("cu"))
-    per_step = {k: v / steps for k, v in sorted(calls.items())}
-    gpu_s = sum(e.time_range.elapsed_us() for e in kernels) / 1e6
-    by_kernel: Counter = Counter()
-    count_by_kernel: Counter = Counter()
-    for e in kernels:
-        by_kernel[e.name[:90]] += e.time_range.elapsed_us() / 1e3 / steps
-        count_by_kernel[e.name[:90]] += 1 / steps
-    return {"gpu_ms_by_step": gpu_ms_by_step(kernels, *step_marker(engine.config)),
-            "top_kernels_ms": dict(by_kernel.most_common(40)),
-            "top_kernel_counts": dict(count_by_kernel.most_common(40)),
-            "profiled_step_ms": 1e3 * wall / steps, "gpu_ms_per_step": 1e3 * gpu_s / steps, "gpu_busy": gpu_s / wall,
-            "kernels_per_step": len(kernels) / steps,
-            "copy_ms_per_step": sum(e.time_range.elapsed_us() for e in copies) / 1e3 / steps,
-            "d2h_copies_per_step": sum("DtoH" in e.name for e in copies) / steps,
-            "syncs_per_step": sum(per_step.get(k, 0) for k in ("cudaStreamSynchronize", "cudaEventSynchronize",
-                                                                 "cudaMemcpy")),
-            "launches_per_step": sum(v for k, v in per_step.items()
-                                     if k.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperative"))),
-            "graph_launches_per_step": per_step.get("cudaGraphLaunch", 0), "api_calls_per_step": per_step}
 
 
 def decode_row(model: NemotronHForCausalLM, args: argparse.Namespace, backend: str, batch: int,
@@ -381,80 +293,6 @@ def prefill_row(model: NemotronHForCausalLM, args: argparse.Namespace, backend: 
         mfu = prefill_flops(model, [length] * n) / seconds / rates["matmul_flop_per_s"]
         row.update({f"{key}_s": times, f"{key}_tok_s": n * length / seconds, f"{key}_mfu": mfu})
     return row
-
-
-def hf_twin(model: NemotronHForCausalLM):  # noqa: ANN201 - transformers' NemotronHForCausalLM
-    """transformers' NemotronH on our model's weights, sharing their memory (no copy)."""
-    from transformers import NemotronHConfig
-    from transformers import NemotronHForCausalLM as HFNemotronH
-
-    with torch.device("meta"):
-        hf = HFNemotronH(NemotronHConfig.from_dict(model.config.to_hf_dict()))
-    # Our names are the checkpoint's (`backbone.*`); transformers' in-memory names use `model.*`.
-    state = {("model." + k[len("backbone."):] if k.startswith("backbone.") else k): v
-             for k, v in model.state_dict().items()}
-    wanted = hf.state_dict().keys()
-    for i, block in enumerate(model.backbone.layers):
-        prefix = f"model.layers.{i}.mixer.experts"
-        if isinstance(block.mixer, MoE) and f"{prefix}.up_proj" in wanted:
-            # transformers stacks the routed experts in memory ((E, I, W) up, (E, W, I) down: our
-            # stacks' layout), where the checkpoint has one tensor per expert.
-            num = len(block.mixer.experts)
-            w_up, w_down = block.mixer.stacked_experts()
-            for e in range(num):
-                del state[f"{prefix}.{e}.up_proj.weight"], state[f"{prefix}.{e}.down_proj.weight"]
-            state[f"{prefix}.up_proj"], state[f"{prefix}.down_proj"] = w_up[:num], w_down[:num]
-    hf.load_state_dict(state, strict=True, assign=True)
-    return hf.eval()
-
-
-def hf_rows(model: NemotronHForCausalLM, args: argparse.Namespace) -> list[dict]:
-    """transformers' NemotronH sharing our weights: decode step times read inside `generate` by a
-    logits processor (called once per generated token, after the device has finished the step)."""
-    from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
-    from transformers import NemotronHForCausalLM as HFNemotronH
-
-    device, sync = model.lm_head.weight.device, sync_fn(model.lm_head.weight.device)
-    hf = hf_twin(model)
-    hf.generation_config.eos_token_id = None  # never stop early (ignore_eos)
-
-    class StepClock(LogitsProcessor):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-            sync()
-            self.times.append(time.perf_counter())
-            return scores
-
-    def generate(hf: HFNemotronH, batch: int, new_tokens: int) -> list[float]:
-        clock = StepClock()
-        ids = torch.tensor(random_prompts(batch, args.prompt_len, model.config.vocab_size, seed=args.seed + batch),
-                           device=device)
-        gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                   pad_token_id=model.config.pad_token_id, use_cache=True)
-        with torch.inference_mode():
-            hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen_cfg,
-                        logits_processor=LogitsProcessorList([clock]))
-        return [b - a for a, b in zip(clock.times, clock.times[1:], strict=False)]
-
-    rows = []
-    try:
-        generate(hf, 1, 2)  # warm-up
-        for batch in args.hf_batch:
-            row: dict = {"backend": "transformers", "batch": batch}
-            try:
-                steps = generate(hf, batch, args.warmup + args.steps + 1)[args.warmup:]
-                row.update({"tok_s": batch / statistics.median(steps), "step_ms": 1e3 * statistics.median(steps)})
-            except torch.OutOfMemoryError as e:
-                row["skipped"] = "out of device memory (" + ". ".join(str(e).split(". ")[:2]) + ")"
-            free_memory(device)
-            rows.append(row)
-            print(f"done transformers batch {batch}", file=sys.stderr, flush=True)
-    finally:
-        del hf
-        free_memory(device)
-    return rows
 
 
 def weights_gb(model: NemotronHForCausalLM) -> float:

@@ -12,6 +12,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_e2e  # noqa: E402
+import e2e_hf  # noqa: E402
+import e2e_profile  # noqa: E402
 
 
 def test_bench_e2e_cpu_smoke(tmp_path: Path) -> None:
@@ -67,7 +69,7 @@ def test_hf_twin_shares_our_weights_and_its_moe_layer_matches_ours() -> None:
     from replayserve.layers.mlp import MoE
 
     model = random_model(model_config("tiny"), torch.float32, "cpu", seed=3)
-    hf = bench_e2e.hf_twin(model)
+    hf = e2e_hf.hf_twin(model)
     assert hf.lm_head.weight.data_ptr() == model.lm_head.weight.data_ptr()
     layer = next(i for i, b in enumerate(model.backbone.layers) if isinstance(b.mixer, MoE))
     x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
@@ -90,7 +92,7 @@ def test_gpu_ms_by_step_splits_a_profile_at_every_layers_first_marker() -> None:
     events = sorted((e for e in prof.events() if e.name in ("aten::mul", "aten::add")),
                     key=lambda e: e.time_range.start)
     assert [e.name for e in events] == ["aten::mul", "aten::add"] * 6
-    by_step = bench_e2e.gpu_ms_by_step(list(reversed(events)), "aten::mul", per_step=2)
+    by_step = e2e_profile.gpu_ms_by_step(list(reversed(events)), "aten::mul", per_step=2)
     want = [sum(e.time_range.elapsed_us() for e in events[a:a + 4]) / 1e3 for a in (0, 4)]  # the last step has no end
     assert by_step == want
 
