@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from replayserve.config.checks import ConfigError, check_field_types, check_minimums
-from replayserve.config.hf_families import FAMILY_FIELDS, FROM_HF, TO_HF
+from replayserve.config.hf_families import BAMBA, FALCON_H1, FAMILY_FIELDS, FROM_HF, GRANITE, TO_HF
 from replayserve.config.hf_qwen import QWEN_TYPES
 
 # "linear_attention" is a Mamba2 mixer (Nemotron-H's name); "gated_delta" a Gated DeltaNet mixer
@@ -329,15 +329,21 @@ class ModelConfig:
 def tensor_parallel_error(model: ModelConfig, world: int) -> str | None:
     """Why `model` cannot be split over `world` ranks (None: it can). Heads and inner dimensions
     split evenly; KV heads split, or are replicated when fewer than the ranks; Mamba groups follow
-    the heads (ssm/layout.py: MambaShard), so any n_groups works."""
-    if model.model_type != "nemotron_h":
-        return f"tensor parallelism is implemented for nemotron_h only, not {model.model_type}"
+    the heads (ssm/layout.py: MambaShard), so any n_groups works. Granite 4.0-H, Bamba and
+    Falcon-H1 have a feed-forward half in every layer (not a layer kind of their own)."""
+    if model.model_type not in ("nemotron_h", GRANITE, BAMBA, FALCON_H1):
+        return (f"tensor parallelism is implemented for nemotron_h, {GRANITE}, {BAMBA} and {FALCON_H1}, "
+                f"not {model.model_type}")
     kinds = set(model.layer_types) | set(model.mtp_layer_types)
     sizes = {"num_attention_heads": model.num_attention_heads} if ATTENTION in kinds else {}
     if MAMBA in kinds:
         sizes["mamba_num_heads"] = model.mamba_num_heads
-    if MLP in kinds:
+    if MLP in kinds or model.model_type in (BAMBA, FALCON_H1):
         sizes["intermediate_size"] = model.intermediate_size
+    if model.model_type == GRANITE:  # the shared MLP (moe_shared_...), and the experts where there are some
+        sizes["moe_shared_expert_intermediate_size"] = model.moe_shared_expert_intermediate_size
+        if model.n_routed_experts:
+            sizes["moe_intermediate_size"] = model.moe_intermediate_size
     if MOE in kinds:
         sizes["moe_intermediate_size"] = model.moe_intermediate_size
         sizes["moe_shared_expert_intermediate_size"] = model.moe_shared_expert_intermediate_size

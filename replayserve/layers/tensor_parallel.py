@@ -62,22 +62,28 @@ class ParallelLMHead(nn.Module):
 class ShardedGatedRMSNorm(nn.Module):
     """`GatedRMSNorm` when a rank's channels cut through the model's norm groups (ranks that do not
     divide n_groups): each group's sum of squares is added up over the ranks, then every channel is
-    scaled by its group's rsqrt(mean + eps), as `gated_rms_norm_ref` computes it on one rank."""
+    scaled by its group's rsqrt(mean + eps), as `gated_rms_norm_ref` computes it on one rank. With
+    `norm_before_gate` (Falcon-H1's option) x is normed and then gated, as `FalconGatedRMSNorm`."""
 
-    def __init__(self, channels: int, first_channel: int, group_size: int, num_groups: int, eps: float) -> None:
+    def __init__(self, channels: int, first_channel: int, group_size: int, num_groups: int, eps: float,
+                 norm_before_gate: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(channels))
         self.first_channel, self.group_size, self.num_groups, self.eps = first_channel, group_size, num_groups, eps
+        self.norm_before_gate = norm_before_gate
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """x, z (T, channels) -> (T, channels), dtype as `gated_rms_norm_ref`."""
         cdt = compute_dtype(x.dtype)
-        h = x.to(cdt) * F.silu(z.to(cdt))
+        gate = F.silu(z.to(cdt))
+        h = x.to(cdt) if self.norm_before_gate else x.to(cdt) * gate
         # Not a buffer: models are built on the meta device, and this is no checkpoint tensor.
         group_of = (torch.arange(h.shape[-1], device=h.device) + self.first_channel) // self.group_size
         sums = h.new_zeros(h.shape[0], self.num_groups).index_add_(1, group_of, h.square())
         dist.all_reduce(sums)
         scale = torch.rsqrt(sums / self.group_size + self.eps)
+        if self.norm_before_gate:
+            return (self.weight * (h * scale[:, group_of]) * gate).to(x.dtype)
         return self.weight * (h * scale[:, group_of]).to(x.dtype)
 
 

@@ -8,6 +8,11 @@ inner dimension (every rank routes every token; no expert parallelism); Mamba2 s
 with the B/C groups `MambaShard` derives; embedding and LM head split the vocabulary. Norms,
 routers, the MoE latent projections and the MTP's eh_proj are replicated. A row-parallel bias is
 kept on rank 0 alone, so the all-reduce adds it once.
+
+The other Mamba2 hybrids use the same cuts: Granite 4.0-H's `input_linear` (gate and up stacked,
+per expert too) keeps the rank's rows of each half; Falcon-H1's per-section in_proj multipliers
+follow the rank's local z/x/B/C/dt sections, which its mixer, built from the rank's config, sizes.
+Scalar multipliers (embedding, residual, logits, muP) commute with the sums and stay as they are.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from torch import nn
 
 from replayserve.config import ModelConfig
 from replayserve.layers.attention import Attention
+from replayserve.layers.falcon_mamba import FalconGatedRMSNorm, GateOnly
+from replayserve.layers.granite_ffn import SharedMLP, SoftmaxMoE, SwiGLUMLP
 from replayserve.layers.mamba2 import Mamba2Mixer
 from replayserve.layers.mlp import MLP, MoE
 from replayserve.layers.tensor_parallel import (
@@ -60,12 +67,14 @@ class RankShard:
         all-reducing their outputs."""
         cfg = self.model
         net = model_class(local_model_config(cfg, self.rank, self.world))
-        net.backbone.embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.rank, self.world)
+        # Nemotron-H's `embeddings`, the other families' `embed_tokens`
+        embedding = next(name for name, m in net.backbone.named_children() if isinstance(m, nn.Embedding))
+        setattr(net.backbone, embedding, VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.rank, self.world))
         net.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.rank, self.world)
         if cfg.tie_word_embeddings:
-            net.lm_head.weight = net.backbone.embeddings.weight
+            net.lm_head.weight = getattr(net.backbone, embedding).weight
         start, rows = vocab_rows(cfg.vocab_size, self.rank, self.world)
-        self._slicers = {"backbone.embeddings.weight": _rows(start, rows), "lm_head.weight": _rows(start, rows)}
+        self._slicers = {f"backbone.{embedding}.weight": _rows(start, rows), "lm_head.weight": _rows(start, rows)}
         for prefix, module in list(net.named_modules()):
             self._shard_module(prefix + ".", module)
         return net
@@ -93,8 +102,26 @@ class RankShard:
             s[prefix + "fc2_latent_proj.bias"] = self._first_rank_only  # applied to the partial routed sum
         elif isinstance(module, Mamba2Mixer):
             self._shard_mamba(prefix, module)
-        mixer = getattr(module, "mixer", None)  # a block: its MLP, MoE or Mamba output is a partial sum
-        if isinstance(mixer, MLP | MoE | Mamba2Mixer):
+            module.register_forward_hook(all_reduce_output)
+        elif isinstance(module, SwiGLUMLP):
+            inner = module.up_proj.out_features
+            for name in ("gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias"):
+                s[prefix + name] = _rows(r * inner, inner)
+            s[prefix + "down_proj.weight"] = _cols(r * inner, inner)
+            s[prefix + "down_proj.bias"] = self._first_rank_only
+            module.register_forward_hook(all_reduce_output)
+        elif isinstance(module, SharedMLP):
+            inner = module.output_linear.in_features
+            s[prefix + "input_linear.weight"] = _gate_up(r * inner, inner, self.world * inner, dim=0)
+            s[prefix + "output_linear.weight"] = _cols(r * inner, inner)
+            module.register_forward_hook(all_reduce_output)
+        elif isinstance(module, SoftmaxMoE):  # (E, 2 * inner, hidden) and (E, hidden, inner); the router whole
+            inner = module.output_linear.weight.shape[2]
+            s[prefix + "input_linear.weight"] = _gate_up(r * inner, inner, self.world * inner, dim=1)
+            s[prefix + "output_linear.weight"] = lambda t: t[:, :, r * inner : (r + 1) * inner]
+            module.register_forward_hook(all_reduce_output)
+        mixer = getattr(module, "mixer", None)  # a Nemotron-H block: its MLP or MoE output is a partial sum
+        if isinstance(mixer, MLP | MoE):
             mixer.register_forward_hook(all_reduce_output)
 
     def _shard_mamba(self, prefix: str, mixer: Mamba2Mixer) -> None:
@@ -111,9 +138,11 @@ class RankShard:
         s[prefix + "out_proj.weight"] = _cols(shard.head_start * p, shard.num_heads * p)
         s[prefix + "out_proj.bias"] = self._first_rank_only
         group_size = cfg.mamba_intermediate_size // cfg.n_groups
-        if (shard.num_heads * p) % group_size:  # the rank's channels cut through norm groups
+        # The rank's channels cut through norm groups (Falcon-H1's gate-only "norm" has none).
+        if (shard.num_heads * p) % group_size and not isinstance(mixer.norm, GateOnly):
+            before = isinstance(mixer.norm, FalconGatedRMSNorm) and mixer.norm.norm_before_gate
             mixer.norm = ShardedGatedRMSNorm(shard.num_heads * p, shard.head_start * p, group_size, cfg.n_groups,
-                                             cfg.layer_norm_epsilon)
+                                             cfg.layer_norm_epsilon, norm_before_gate=before)
 
     def _first_rank_only(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if self.rank == 0 else torch.zeros_like(tensor)
@@ -126,6 +155,14 @@ def _rows(start: int, count: int) -> Slicer:
         if part.shape[0] < count:
             part = torch.cat([part, part.new_zeros(count - part.shape[0], *part.shape[1:])])
         return part
+    return cut
+
+
+def _gate_up(start: int, count: int, half: int, dim: int) -> Slicer:
+    """Of a tensor whose `dim` stacks gate (the first `half`) and up: rows start .. start + count - 1
+    of each half, gate's first."""
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t.narrow(dim, start, count), t.narrow(dim, half + start, count)], dim=dim)
     return cut
 
 

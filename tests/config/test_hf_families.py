@@ -3,6 +3,7 @@ same config, and every value the engine cannot run refused naming its key."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -62,9 +63,14 @@ def test_nemotron_h_refuses_the_other_families_keys() -> None:
         ModelConfig.from_hf_dict({**tiny_config().to_hf_dict(), "embedding_multiplier": 2.0})
 
 
-def test_tensor_parallelism_is_refused_for_granite_with_the_reason() -> None:
-    assert tensor_parallel_error(GRANITE_TINY, 2) == ("tensor parallelism is implemented for nemotron_h only, "
-                                                     "not granitemoehybrid")
+def test_tensor_parallelism_checks_granites_feed_forward_sizes() -> None:
+    """Granite's MLPs are no layer kind: their sizes are checked for every layer all the same."""
+    assert tensor_parallel_error(GRANITE_TINY, 2) is None
+    odd_shared = dataclasses.replace(GRANITE_TINY, moe_shared_expert_intermediate_size=33)
+    assert tensor_parallel_error(odd_shared, 2) == ("2 ranks must divide the model's "
+                                                    "moe_shared_expert_intermediate_size=33")
+    other = tiny_config("G*G", family="qwen3_next")
+    assert tensor_parallel_error(other, 2).endswith("bamba and falcon_h1, not qwen3_next")
 
 
 def test_make_tiny_writes_a_granite_checkpoint(tmp_path: Path) -> None:

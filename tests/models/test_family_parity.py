@@ -78,10 +78,11 @@ FAMILY_CONFIGS: dict[str, tuple[type, type, dict]] = {
 }
 
 
-def make_family_checkpoint(out_dir: Path, name: str, seed: int = 0) -> Path:
-    """HF's model of `name`, with this project's tiny-model weights (greedy text that does not repeat
-    one token), saved by transformers."""
+def make_family_checkpoint(out_dir: Path, name: str, seed: int = 0, **overrides: object) -> Path:
+    """HF's model of `name` (its config changed by `overrides`), with this project's tiny-model
+    weights (greedy text that does not repeat one token), saved by transformers."""
     config_class, model_class, kwargs = FAMILY_CONFIGS[name]
+    kwargs = {**kwargs, **overrides}
     torch.manual_seed(seed)
     if "layer_types" in kwargs:
         kwargs = {**kwargs, "num_hidden_layers": len(kwargs["layer_types"])}
