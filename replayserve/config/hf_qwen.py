@@ -8,6 +8,7 @@ attention where it says "full_attention", then a feed-forward half: `layer_types
 sigmoid-gated shared expert) or a dense SwiGLU ("mlp": Qwen3.5, and Qwen3-Next's `mlp_only_layers`
 and layers off its `decoder_sparse_step`). The multimodal wrappers (`qwen3_5`, `qwen3_5_moe`: a
 `text_config` beside a `vision_config`) give their language model; the vision tower is not run.
+`mtp_num_hidden_layers: 1` declares the checkpoint's MTP layer (models/qwen3_next_mtp.py).
 """
 
 from __future__ import annotations

@@ -42,12 +42,13 @@ def test_mtp_speculation_is_lossless(qwen_mtp_dir: Path, reference: list, backen
     assert_pools_full(llm)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_device_draft_loop_equals_the_per_request_path(qwen_mtp_dir: Path, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("family", "dtype"), [("qwen3_next", torch.float32), ("qwen3_next", torch.float64),
+                                               ("qwen3_5", torch.float64), ("qwen3_5_moe", torch.float64)])
+def test_device_draft_loop_equals_the_per_request_path(tmp_path: Path, family: str, dtype: torch.dtype) -> None:
     """Rows shorter and longer than the window, a late-starting run, rooms 1 to 4: `propose_batch`
     (left-padded windows, the MTP attention's keys and values kept between drafts) at fixed and at
     the longest row's width equals `propose_request` (each row alone, no cache)."""
-    model = load_model(qwen_mtp_dir, dtype, torch.device("cpu"))
+    model = load_model(make_qwen_mtp(tmp_path, family), dtype, torch.device("cpu"))
     store = HiddenStore()
     gen = torch.Generator().manual_seed(2)
     batch = []
@@ -61,3 +62,15 @@ def test_device_draft_loop_equals_the_per_request_path(qwen_mtp_dir: Path, dtype
     assert all(len(want[r.request_id]) == r.room for r in batch)
     assert fixed.propose_batch(batch) == want
     assert MTPProposer(model, store, window=16, fixed_shapes=False).propose_batch(batch) == want
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_mtp_speculation_is_lossless(tmp_path: Path, family: str) -> None:
+    """Qwen3.5's MTP layer (a dense MLP, or the MoE) on the replay backend with prefix caching `all`."""
+    path = make_qwen_mtp(tmp_path, family)
+    want = _workload(_llm(path, **SMALL).engine)
+    llm = _llm(path, "replay", "all", replay_window=8, speculative={"method": "mtp", "num_speculative_tokens": 3},
+               **SMALL)
+    assert _workload(llm.engine) == want
+    assert llm.get_metrics()["spec_num_draft_tokens"] > 0
+    assert_pools_full(llm)

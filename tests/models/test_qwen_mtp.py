@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import Qwen3NextForCausalLM
+from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 
 from replayserve.builtin.tiny import make_tiny
 from replayserve.config import ConfigError, ModelConfig
@@ -19,6 +19,7 @@ from replayserve.models.loader import CheckpointError, load_model
 
 from .hf_reference import hf_float64_exact
 
+HF_CLASSES = {"qwen3_next": Qwen3NextForCausalLM, "qwen3_5": Qwen3_5ForCausalLM, "qwen3_5_moe": Qwen3_5MoeForCausalLM}
 MTP_TYPES = {"qwen3_next": ("full_attention", "moe"), "qwen3_5": ("full_attention", "mlp"),
              "qwen3_5_moe": ("full_attention", "moe")}
 
@@ -58,11 +59,13 @@ def _zero_centered_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + weight)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_mtp_output_equals_transformers_decoder_layer_holding_its_weights(tmp_path: Path, seed: int) -> None:
-    path = make_qwen_mtp(tmp_path / "mtp", seed=seed)
+@pytest.mark.parametrize(("family", "seed"), [("qwen3_next", 0), ("qwen3_next", 1), ("qwen3_5", 0), ("qwen3_5_moe", 0)])
+def test_mtp_output_equals_transformers_decoder_layer_holding_its_weights(tmp_path: Path, family: str,
+                                                                          seed: int) -> None:
+    path = make_qwen_mtp(tmp_path / "mtp", family, seed)
     model = load_model(path, torch.float64, torch.device("cpu"))
-    # The same checkpoint with the MTP layer's tensors as decoder layer 2 ("GG*G": attention + MoE).
+    # The same checkpoint with the MTP layer's tensors as decoder layer 2 ("GG*G": attention and the
+    # family's feed-forward there, MoE or MLP as the MTP's).
     tensors = load_file(path / "model.safetensors")
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
@@ -71,7 +74,7 @@ def test_mtp_output_equals_transformers_decoder_layer_holding_its_weights(tmp_pa
                     if k.startswith("mtp.layers.0.")})
     save_file(swapped, hf_dir / "model.safetensors")
     (hf_dir / "config.json").write_text((path / "config.json").read_text())
-    hf = Qwen3NextForCausalLM.from_pretrained(hf_dir, dtype=torch.float64, attn_implementation="sdpa",
+    hf = HF_CLASSES[family].from_pretrained(hf_dir, dtype=torch.float64, attn_implementation="sdpa",
                                              experts_implementation="eager").eval()
 
     gen = torch.Generator().manual_seed(seed)
