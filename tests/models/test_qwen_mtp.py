@@ -25,7 +25,7 @@ MTP_TYPES = {"qwen3_next": ("full_attention", "moe"), "qwen3_5": ("full_attentio
 
 
 def make_qwen_mtp(out: Path, family: str = "qwen3_next", seed: int = 0) -> Path:
-    return make_tiny(out, seed=seed, family=family, num_nextn_predict_layers=1, mtp_layer_types=MTP_TYPES[family])
+    return make_tiny(out, seed=seed, family=family, mtp=True)
 
 
 @pytest.mark.parametrize("family", sorted(MTP_TYPES))
