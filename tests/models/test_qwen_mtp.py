@@ -97,3 +97,21 @@ def test_mtp_output_equals_transformers_decoder_layer_holding_its_weights(tmp_pa
         last = model.mtp(model.backbone.embeddings(ids), hidden, last_only=True)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(last, want[-1:], rtol=1e-10, atol=1e-10)
+
+
+def test_mtp_experts_stored_fused_load_as_the_per_expert_ones(tmp_path: Path) -> None:
+    """Published Qwen3.5-MoE checkpoints hold experts fused (`experts.gate_up_proj` (E, 2 I, H),
+    `experts.down_proj` (E, H, I)); the MTP layer's load as the per-expert tensors do."""
+    path = make_qwen_mtp(tmp_path / "split")
+    want = load_model(path, torch.float64, torch.device("cpu")).mtp.state_dict()
+    tensors = load_file(path / "model.safetensors")
+    prefix = "mtp.layers.0.mlp.experts."
+    experts = range(4)
+    fused = {k: v for k, v in tensors.items() if not k.startswith(prefix)}
+    fused[prefix + "gate_up_proj"] = torch.stack([torch.cat([tensors[f"{prefix}{e}.gate_proj.weight"],
+                                                             tensors[f"{prefix}{e}.up_proj.weight"]]) for e in experts])
+    fused[prefix + "down_proj"] = torch.stack([tensors[f"{prefix}{e}.down_proj.weight"] for e in experts])
+    save_file(fused, path / "model.safetensors")
+    got = load_model(path, torch.float64, torch.device("cpu")).mtp.state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
