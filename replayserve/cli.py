@@ -204,8 +204,8 @@ def _make_tiny(args: argparse.Namespace) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
         raise UserError(f"{out} exists and is not an empty directory; pass --force to overwrite it")
     try:
-        print(f"wrote {make_tiny(out, seed=args.seed, layers=args.layers, family=args.family)}")
-    except ValueError as e:  # an unknown layer character for the family
+        print(f"wrote {make_tiny(out, seed=args.seed, layers=args.layers, family=args.family, mtp=args.mtp)}")
+    except ValueError as e:  # an unknown layer character for the family, --mtp for one without MTP
         raise UserError(str(e)) from e
 
 
@@ -305,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "for nemotron_h, M*MM*M for granite and bamba (every layer has its MLP), MMM for "
                            "falcon_h1 (one M per layer, each with both mixers); G Gated DeltaNet, * gated "
                            "attention for the qwen families, default GG*G")
+    tiny.add_argument("--mtp", action="store_true",
+                      help="also write one MTP layer (mtp.*; nemotron_h and the qwen families), for "
+                           "speculative method mtp")
     tiny.add_argument("--force", action="store_true", help="overwrite a non-empty directory")
     quant = sub.add_parser("quantize", help="write an FP8 (NVIDIA ModelOpt layout) copy of a 16/32-bit checkpoint "
                                             f"or of {TINY_CODE}")

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import replayserve
 from replayserve.cli import SERVER_EXTRA_INSTALL, build_parser, engine_options, main
@@ -227,3 +228,16 @@ def test_ctrl_c_ends_with_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     monkeypatch.setattr(replayserve.builtin.tiny, "make_tiny", interrupted)
     code, _, err = _run(["make-tiny", str(tmp_path / "new")], capsys)
     assert code == 130 and err.strip() == "replayserve: interrupted"
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_next"])
+def test_make_tiny_mtp_writes_a_checkpoint_with_its_mtp_layer(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                              family: str) -> None:
+    from replayserve.config import ModelConfig
+    from replayserve.models.loader import load_model
+
+    assert _run(["make-tiny", str(tmp_path / "m"), "--family", family, "--mtp"], capsys)[0] == 0
+    assert ModelConfig.from_dir(tmp_path / "m").num_nextn_predict_layers == 1
+    assert hasattr(load_model(tmp_path / "m", torch.float32, torch.device("cpu")), "mtp")
+    code, _, err = _run(["make-tiny", str(tmp_path / "g"), "--family", "granite", "--mtp"], capsys)
+    assert code == 2 and "--mtp" in err and "granite" in err

@@ -59,6 +59,12 @@ def train_tokenizer(vocab_size: int = 512, texts: Iterable[str] | None = None) -
     return tok
 
 
+# The MTP layer `make_tiny(mtp=True)` writes: Nemotron-H's attention + MoE blocks; the Qwen
+# families' one decoder layer of gated attention and their feed-forward.
+MTP_LAYERS = {"nemotron_h": ("full_attention", "moe"), "qwen3_next": ("full_attention", "moe"),
+              "qwen3_5": ("full_attention", "mlp"), "qwen3_5_moe": ("full_attention", "moe")}
+
+
 def tiny_config(layers: str = "M*-ME", vocab_size: int = 512, family: str = "nemotron_h") -> ModelConfig:
     """A small config of `family` (a TINY_FAMILIES name). Granite's layers are M and * only (each
     has the shared MLP and 4 experts); its multipliers differ from 1 and its attention has RoPE,
@@ -143,14 +149,19 @@ def init_random_weights(model: nn.Module, seed: int) -> None:
 
 
 def make_tiny(out_dir: str | Path, seed: int = 0, layers: str | None = None, family: str = "nemotron_h",
-              **sizes: Any) -> Path:
+              mtp: bool = False, **sizes: Any) -> Path:
     """Writes config.json, model.safetensors and tokenizer.json to `out_dir`, in the family's
     Hugging Face layout (the files transformers' class of the family loads).
 
     layers: the layer pattern (default "M*-ME" for Nemotron-H, "MMM" for Falcon-H1, "GG*G" for the Qwen
     families, "M*MM*M" for the others).
+    mtp: also write one MTP layer (`mtp.*`) of the family's kind (`MTP_LAYERS`).
     sizes: ModelConfig fields to override (e.g. hidden_size=1024 for a benchmark-sized model).
     """
+    if mtp:
+        if family not in MTP_LAYERS:
+            raise ValueError(f"--mtp: family {family} has no MTP layers; use one of {sorted(MTP_LAYERS)}")
+        sizes = {"num_nextn_predict_layers": 1, "mtp_layer_types": MTP_LAYERS[family], **sizes}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()

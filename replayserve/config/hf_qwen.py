@@ -8,6 +8,7 @@ attention where it says "full_attention", then a feed-forward half: `layer_types
 sigmoid-gated shared expert) or a dense SwiGLU ("mlp": Qwen3.5, and Qwen3-Next's `mlp_only_layers`
 and layers off its `decoder_sparse_step`). The multimodal wrappers (`qwen3_5`, `qwen3_5_moe`: a
 `text_config` beside a `vision_config`) give their language model; the vision tower is not run.
+`mtp_num_hidden_layers: 1` declares the checkpoint's MTP layer (models/qwen3_next_mtp.py).
 """
 
 from __future__ import annotations
@@ -48,11 +49,10 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     QWEN3_5_MOE_TEXT: {**_COMMON, **_MOE, "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
                        "num_key_value_heads": 2, "num_experts": 256, "num_experts_per_tok": 8},
 }
-# Keys that change nothing here: training-only, or read elsewhere (the loader skips `mtp.*` weights:
-# multi-token prediction is not run for these families yet; the recurrent state's dtype is the
+# Keys that change nothing here: training-only, or read elsewhere (the recurrent state's dtype is the
 # compute dtype, float32 for half-precision models, as `mamba_ssm_dtype` asks of published ones).
 _IGNORED = frozenset({"router_aux_loss_coef", "output_router_logits", "max_window_layers", "mamba_ssm_dtype",
-                      "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings", "initializer_range", "use_cache",
+                      "initializer_range", "use_cache",
                       "attention_dropout", "dtype", "torch_dtype", "transformers_version", "_name_or_path"})
 # The wrappers' own keys beside text_config: the vision tower's, which the language model never reads.
 _WRAPPER_KEYS = frozenset({"vision_config", "image_token_id", "video_token_id", "vision_start_token_id",
@@ -149,7 +149,23 @@ def _text_from_hf(raw: dict[str, Any], text_type: str) -> dict[str, Any]:
             out[field] = hf.pop(key)
     if "moe" in ffns:
         out["moe_shared_expert_gate"] = True
-    return {**hf, **out}
+    mtp = _mtp(hf, routed=bool(out["n_routed_experts"]))
+    return {**hf, **out, **mtp}
+
+
+def _mtp(hf: dict[str, Any], routed: bool) -> dict[str, Any]:
+    """The MTP layer's keys (`mtp_num_hidden_layers`: 0 or 1) -> ModelConfig's: one step of gated
+    attention and the family's feed-forward (MoE where the model has experts, as the published
+    checkpoints' `mtp.layers.0.mlp` is)."""
+    layers = hf.pop("mtp_num_hidden_layers", 0)
+    if hf.pop("mtp_use_dedicated_embeddings", False):
+        raise _fail("mtp_use_dedicated_embeddings", "unsupported value true; the MTP layer shares the model's "
+                    "embedding (false)")
+    if layers not in (0, 1):
+        raise _fail("mtp_num_hidden_layers", f"unsupported value {layers!r}; one MTP layer (1) or none (0)")
+    if not layers:
+        return {}
+    return {"num_nextn_predict_layers": 1, "mtp_layers_block_type": ["full_attention", "moe" if routed else "mlp"]}
 
 
 def qwen_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
@@ -191,6 +207,8 @@ def _text_to_hf(fields: dict[str, Any], text_type: str) -> dict[str, Any]:
         out.update({"moe_intermediate_size": fields["moe_intermediate_size"],
                     "shared_expert_intermediate_size": fields["moe_shared_expert_intermediate_size"],
                     "num_experts": fields["n_routed_experts"], "num_experts_per_tok": fields["num_experts_per_tok"]})
+    if fields["num_nextn_predict_layers"]:
+        out["mtp_num_hidden_layers"] = 1
     if text_type == QWEN3_NEXT:
         out.update({"norm_topk_prob": fields["norm_topk_prob"], "decoder_sparse_step": 1,
                     "mlp_only_layers": [i for i, t in enumerate(ffns) if t == "mlp"]})

@@ -6,8 +6,9 @@ zero-centered RMS norm (`input_layernorm`, `post_attention_layernorm`) and a res
 `config.layer_types` lists each layer's (mixer, feed-forward) pair (config/hf_qwen.py). The
 families differ only in the GDN's input projections (Qwen3-Next fuses them per key head) and in
 which feed-forward layers they have. The decoder loop is Granite 4.0-H's, whose multipliers are 1 here.
-A multimodal Qwen3.5 checkpoint's language model (`model.language_model.*`) loads as the text
-model (models/loader.py); its vision tower is not built.
+With `mtp_num_hidden_layers: 1` the checkpoint's MTP layer (`mtp.*`, models/qwen3_next_mtp.py) is
+built too, for the MTP proposer. A multimodal Qwen3.5 checkpoint's language model
+(`model.language_model.*`) loads as the text model (models/loader.py); its vision tower is not built.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from replayserve.layers.norm import ZeroCenteredRMSNorm
 from replayserve.layers.qwen_moe import SparseMoeBlock
 from replayserve.layers.step_context import StepContext
 from replayserve.models.granite_hybrid import GraniteMoeHybridForCausalLM, HybridModel
+from replayserve.models.qwen3_next_mtp import QwenMTP
 from replayserve.ssm.slot_state import SlotStateBackend
 
 
@@ -74,6 +76,11 @@ class Qwen3NextForCausalLM(GraniteMoeHybridForCausalLM):
     layer_class = QwenDecoderLayer
     backbone_class = QwenModel
     final_norm_name = "norm"
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        if cfg.num_nextn_predict_layers:
+            self.mtp = QwenMTP(cfg)
 
 
 __all__ = ["Qwen3NextForCausalLM"]

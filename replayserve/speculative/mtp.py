@@ -1,4 +1,5 @@
-"""Nemotron-H MTP layers as proposer: drafts from the target's own final hidden states."""
+"""The checkpoint's MTP layers (Nemotron-H's `NemotronHMTP`, the Qwen families' `QwenMTP`) as proposer:
+drafts from the target's own final hidden states."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from replayserve.models.nemotron_h import NemotronHForCausalLM
 from replayserve.speculative.mtp_drafts import greedy_drafts
 from replayserve.speculative.mtp_graphs import DraftGraphs
 from replayserve.speculative.proposers import DraftRequest, Proposer
@@ -55,7 +56,7 @@ class MTPProposer(Proposer):
     None (the default) runs it eagerly.
     """
 
-    def __init__(self, model: NemotronHForCausalLM, store: HiddenStore, window: int = 256,
+    def __init__(self, model: nn.Module, store: HiddenStore, window: int = 256,
                  fixed_shapes: bool | None = None, draft_graphs: DraftGraphs | None = None) -> None:
         if not hasattr(model, "mtp"):
             raise ValueError("the model has no MTP layers (num_nextn_predict_layers = 0)")

@@ -5,16 +5,15 @@ size, its window width and k, so one CUDA graph per (rows, width, k) can hold it
 from __future__ import annotations
 
 import torch
-
-from replayserve.models.nemotron_h import NemotronHForCausalLM
+from torch import nn
 
 
 @torch.inference_mode()
-def greedy_drafts(model: NemotronHForCausalLM, hidden: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,
+def greedy_drafts(model: nn.Module, hidden: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,
                   num_drafts: int) -> torch.Tensor:
     """`num_drafts` greedy drafts per row from the MTP layers (`MTPProposer`'s chaining).
 
-    Draft 1 runs the MTP stack over each row's window (`NemotronHMTP.forward_padded`); draft j + 1
+    Draft 1 runs the MTP stack over each row's window (`forward_padded` of `NemotronHMTP` or `QwenMTP`); draft j + 1
     feeds draft j's token and the stack's own output for it, one position per row against the
     keys and values kept from the positions before. Each pick is an argmax on the device.
 

@@ -14,8 +14,8 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-from replayserve.models.nemotron_h import NemotronHForCausalLM
 from replayserve.speculative.mtp_drafts import greedy_drafts
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class DraftGraphs:
     cannot hold.
     """
 
-    def __init__(self, model: NemotronHForCausalLM, width: int, max_rows: int) -> None:
+    def __init__(self, model: nn.Module, width: int, max_rows: int) -> None:
         weight = model.backbone.embeddings.weight
         if weight.device.type != "cuda":
             raise ValueError(f"MTP draft graphs need a CUDA model, got one on {weight.device}")
