@@ -30,7 +30,7 @@ from torch import Tensor
 from replayserve.ops.dispatch import use_triton
 from replayserve.ops.dtypes import compute_dtype
 from replayserve.ops.gated_delta import expand_key_heads, l2norm_ref, wy_chunk_ref
-from replayserve.ops.replay_ssm import _check_cursors, _pads_skipped, _real_rows, ring_index
+from replayserve.ops.replay_ssm import _check_cursors, _pads_skipped, _real_rows, _step_rows, ring_index
 
 
 def _check_rings(state: Tensor, k_ring: Tensor, v_ring: Tensor, g_ring: Tensor, beta_ring: Tensor) -> tuple[int, ...]:
@@ -115,12 +115,8 @@ def replay_gdn_step_ref(
     rings = (k_ring, v_ring, g_ring, beta_ring)
     qc = _keys(q, hv, cdt, use_qk_l2norm) * (dk ** -0.5 if scale is None else scale)  # (rows, T, Hv, K)
     o = torch.zeros(rows, tokens, hv, dv, dtype=cdt, device=v.device)
-    starts, hists, flushes, ntok = ring_start.tolist(), history.tolist(), is_flush.tolist(), num_tokens.tolist()
-    for row, s in _real_rows(slots, num_slots):
-        n, m, start = ntok[row], hists[s], starts[s]
-        if not (1 <= n <= tokens and 0 <= m <= window and 0 <= start < ring_len):
-            raise ValueError(f"row {row} (slot {s}): need 1 <= n={n} <= T={tokens}, 0 <= history={m} <= W={window}, "
-                             f"0 <= ring_start={start} < R={ring_len}")
+    flushes = is_flush.tolist()
+    for row, s, n, m, start in _step_rows(slots, num_slots, ring_start, history, num_tokens, tokens, window, ring_len):
         for i in range(n):  # m + n <= R: the appends never land on the history
             p = ring_index(start, m + i, ring_len)
             k_ring[s, :, p] = k[row, i]

@@ -62,6 +62,21 @@ def _real_rows(slots: Tensor, num_slots: int, name: str = "slots") -> list[tuple
     return rows
 
 
+def _step_rows(slots: Tensor, num_slots: int, ring_start: Tensor, history: Tensor, num_tokens: Tensor, tokens: int,
+               window: int, ring_len: int) -> list[tuple[int, int, int, int, int]]:
+    """(row, slot, n tokens, history m, ring_start) of every non-padded row of a replayed step,
+    checked: 1 <= n <= T, 0 <= m <= W, 0 <= ring_start < R."""
+    starts, hists, ntok = ring_start.tolist(), history.tolist(), num_tokens.tolist()
+    rows = []
+    for row, s in _real_rows(slots, num_slots):
+        n, m, start = ntok[row], hists[s], starts[s]
+        if not (1 <= n <= tokens and 0 <= m <= window and 0 <= start < ring_len):
+            raise ValueError(f"row {row} (slot {s}): need 1 <= n={n} <= T={tokens}, 0 <= history={m} <= W={window}, "
+                             f"0 <= ring_start={start} < R={ring_len}")
+        rows.append((row, s, n, m, start))
+    return rows
+
+
 def _check_rings(state: Tensor, x_ring: Tensor, dt_ring: Tensor, B_ring: Tensor) -> tuple[int, ...]:
     """Validate the pool tensors against each other; return (S, H, P, N, G, R)."""
     if state.dim() != 4 or x_ring.dim() != 4 or dt_ring.dim() != 3 or B_ring.dim() != 4:
@@ -184,12 +199,8 @@ def replay_step_ref(
     Dc = torch.zeros_like(Ac) if D is None else D.to(cdt)
     Ch = C.to(cdt).repeat_interleave(rep, dim=2)  # (rows, T, H, N)
     y = torch.zeros((rows, tokens, nheads, headdim), dtype=cdt, device=x.device)
-    starts, hists, flushes, ntok = ring_start.tolist(), history.tolist(), is_flush.tolist(), num_tokens.tolist()
-    for row, s in _real_rows(slots, num_slots):
-        n, m, start = ntok[row], hists[s], starts[s]
-        if not (1 <= n <= tokens and 0 <= m <= window and 0 <= start < ring_len):
-            raise ValueError(f"row {row} (slot {s}): need 1 <= n={n} <= T={tokens}, 0 <= history={m} <= W={window}, "
-                             f"0 <= ring_start={start} < R={ring_len}")
+    flushes = is_flush.tolist()
+    for row, s, n, m, start in _step_rows(slots, num_slots, ring_start, history, num_tokens, tokens, window, ring_len):
         # The append slot does not depend on the flush; m + n <= R, so it never hits the history.
         for i in range(n):
             p = ring_index(start, m + i, ring_len)

@@ -11,7 +11,7 @@ import pytest
 
 from replayserve.builtin.tiny import make_tiny
 from tests.conftest import assert_pools_full
-from tests.engine.test_prefix_cache import _llm, _workload
+from tests.engine.test_prefix_cache import _llm, _speculative, _workload
 
 # (family, ModelConfig overrides): Granite with MoE and RoPE (make-tiny's), and dense with NoPE; Bamba; Falcon-H1.
 VARIANTS = {
@@ -44,12 +44,7 @@ def test_greedy_tokens_equal_across_backends_caching_and_speculation(family_mode
                                                                      spec: str | None) -> None:
     model_dir, draft_dir, reference = family_model
     assert len({t for _, out in reference for t in out}) > 8  # not one repeated token
-    kw: dict[str, object] = {}
-    if spec == "ngram":
-        kw["speculative"] = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
-    elif spec == "draft":
-        kw["speculative"] = {"method": "draft", "num_speculative_tokens": 2, "model": str(draft_dir)}
-    llm = _llm(model_dir, backend, mode, **kw)
+    llm = _llm(model_dir, backend, mode, **_speculative(spec, draft_dir))
     assert _workload(llm.engine) == reference
     metrics = llm.get_metrics()
     if mode is not None:

@@ -16,7 +16,7 @@ from replayserve import LLM, SamplingParams
 from replayserve.builtin.tiny import make_tiny
 from replayserve.speculative.proposers import OracleProposer
 from tests.conftest import assert_pools_full
-from tests.engine.test_prefix_cache import _llm, _workload
+from tests.engine.test_prefix_cache import _llm, _speculative, _workload
 
 FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
@@ -38,12 +38,7 @@ def test_greedy_tokens_equal_across_caching_and_speculation(gdn_model: tuple[Pat
                                                             spec: str | None, backend: str) -> None:
     model_dir, draft_dir, reference = gdn_model
     assert len({t for _, out in reference for t in out}) > 8  # not one repeated token
-    kw: dict[str, object] = {}
-    if spec == "ngram":
-        kw["speculative"] = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
-    elif spec == "draft":
-        kw["speculative"] = {"method": "draft", "num_speculative_tokens": 2, "model": str(draft_dir)}
-    llm = _llm(model_dir, backend, mode, **kw)
+    llm = _llm(model_dir, backend, mode, **_speculative(spec, draft_dir))
     assert _workload(llm.engine) == reference
     metrics = llm.get_metrics()
     if mode is not None:  # mode none keeps no recurrent state, so a hybrid model never hits

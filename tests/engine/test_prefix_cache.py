@@ -34,6 +34,15 @@ def _tokens(n: int, seed: int) -> list[int]:
 SYSTEM = _tokens(18, 1)  # 4.5 blocks: the shared prefix ends inside a block
 
 
+def _speculative(spec: str | None, draft_dir: Path | None = None) -> dict[str, object]:
+    """LLM keyword arguments for an identity test's speculation: none, n-gram or a draft model."""
+    if spec == "ngram":
+        return {"speculative": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}}
+    if spec == "draft":
+        return {"speculative": {"method": "draft", "num_speculative_tokens": 2, "model": str(draft_dir)}}
+    return {}
+
+
 def _workload(engine: Engine) -> list[tuple[list[int], list[int]]]:
     """Every case the issue lists, through the engine's own API; returns (prompt, output) pairs in
     request order.
