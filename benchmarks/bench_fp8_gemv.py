@@ -32,8 +32,9 @@ from replayserve.ops.fp8_gemv_triton import _fp8_gemv_kernel, fp8_gemv_tiles, fp
 from replayserve.ops.gemv_triton import gemv_triton  # noqa: E402
 
 ROWS = (1, 4, 8)
-SWEEP = [(bn, bk, w) for bn, bk, w in itertools.product([1, 2, 4, 8], [256, 512, 1024, 2048], [2, 4, 8])
-         if 32 * w <= bn * bk <= 16384]
+# Candidate tiles: rows per program, K step, warps, pipeline stages (an FP8 tile is half a bf16 tile's bytes).
+SWEEP = [(bn, bk, w, st) for bn, bk, w, st in itertools.product([1, 2, 4, 8, 16], [256, 512, 1024, 2048, 4096],
+                                                                 [2, 4, 8], [1, 3]) if 32 * w <= bn * bk <= 32768]
 
 
 def fp8_copies(n: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -45,18 +46,20 @@ def fp8_copies(n: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def sweep_shape(copies: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor,
-                x_scale: torch.Tensor) -> list[tuple[float, tuple[int, int, int]]]:
+                x_scale: torch.Tensor) -> list[tuple[float, tuple[int, int, int, int]]]:
     n, k = copies[0][0].shape
     y = torch.empty(1, n, device="cuda", dtype=x.dtype)
     rows = []
     for tiles in SWEEP:
-        bn, bk, warps = tiles
+        bn, bk, warps, stages = tiles
 
-        def call(ws: tuple[torch.Tensor, torch.Tensor], bn: int = bn, bk: int = bk, warps: int = warps) -> None:
+        def call(ws: tuple[torch.Tensor, torch.Tensor], bn: int = bn, bk: int = bk, warps: int = warps,
+                 stages: int = stages) -> None:
             w, s = ws
             _fp8_gemv_kernel[(triton.cdiv(n, bn),)](
                 x, w, s, x_scale, None, y, 1, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0),
-                FP8_LIMIT=448.0, QUANT_X=True, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+                FP8_LIMIT=448.0, QUANT_X=True, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+                num_stages=stages)
 
         rows.append((cycled_us(copies, call), tiles))
     return sorted(rows)
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.sweep:
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
             found = sweep_shape(fp8, x, torch.tensor(x.abs().max().item() / 448, device="cuda"))
-            best = ", ".join(f"{us:.1f} us {bn}x{bk} w{w}" for us, (bn, bk, w) in found[:3])
+            best = ", ".join(f"{us:.1f} us {bn}x{bk} w{w} s{st}" for us, (bn, bk, w, st) in found[:4])
             print(f"sweep {name}: fp8_gemv_tiles {fp8_gemv_tiles(1, k)[1:]}; best {best}", flush=True)
         del bf16, fp8
 
