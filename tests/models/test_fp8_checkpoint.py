@@ -124,6 +124,39 @@ def test_on_the_kernels_path_the_logits_are_the_dequantized_weights_in_float32(t
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
+def with_16_bit(tmp: Path, modules: list[str], input_scales: bool = True) -> Path:
+    """The fixture with ``modules`` stored as their dequantized float32 weights, excluded by name
+    (and without any input scale unless ``input_scales``)."""
+    stored = load_file(str(FIXTURE / "model.safetensors"))
+    edit: dict[str, torch.Tensor | None] = {n: None for n in stored if n.endswith("input_scale") and not input_scales}
+    for m in modules:
+        edit[f"{m}.weight"] = dequantize_fp8(stored[f"{m}.weight"], stored[f"{m}.weight_scale"])
+        edit[f"{m}.weight_scale"] = edit[f"{m}.input_scale"] = None
+    out = rewritten(tmp, edit)
+    quant = json.loads((out / "hf_quant_config.json").read_text())
+    quant["quantization"]["exclude_modules"] += modules
+    (out / "hf_quant_config.json").write_text(json.dumps(quant))
+    return out
+
+
+def test_a_16_bit_shared_expert_beside_fp8_routed_experts_runs_unfolded(tmp_path: Path) -> None:
+    """It cannot join the FP8 stack: not folded, the logits still the dequantized model's."""
+    shared = [f"backbone.layers.4.mixer.shared_experts.{p}" for p in ("up_proj", "down_proj")]
+    ckpt = with_16_bit(tmp_path / "ckpt", shared, input_scales=False)
+    moe = load_model(ckpt, torch.float32, torch.device("cpu")).backbone.layers[4].mixer
+    assert moe.num_folded == 0 and not isinstance(moe.shared_experts.up_proj, FP8Linear)
+    assert moe.stacked_experts()[0].shape == (4, 16, 32) and moe.expert_scales(4)[0].shape == (4,)
+    ours = last_logprobs(ckpt, kernels=True)
+    torch.testing.assert_close(ours, last_logprobs(dequantized(tmp_path / "ref")), rtol=1e-4, atol=1e-4)
+
+
+def test_routed_experts_half_fp8_are_refused_naming_both_kinds(tmp_path: Path) -> None:
+    ckpt = with_16_bit(tmp_path / "ckpt", ["backbone.layers.4.mixer.experts.2.down_proj"])
+    with pytest.raises(CheckpointError, match=r"quantizes backbone\.layers\.4\.mixer\.experts\.0\.up_proj but not "
+                                              r"backbone\.layers\.4\.mixer\.experts\.2\.down_proj"):
+        load_model(ckpt, torch.float32, torch.device("cpu"))
+
+
 def test_with_static_activation_scales_the_logits_stay_near_the_dequantized_model(tmp_path: Path) -> None:
     """The checkpoint's input scales round every quantized Linear's input through FP8 (3 mantissa bits)."""
     ours, ref = last_logprobs(FIXTURE), last_logprobs(dequantized(tmp_path / "ref"))

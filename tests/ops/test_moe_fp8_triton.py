@@ -53,11 +53,9 @@ def test_fp8_experts_equal_the_dequantized_reference(dtype: torch.dtype, num_tok
     gen = torch.Generator().manual_seed(num_tokens * 13 + num_experts)
     w_up, s_up = fp8_stack(num_experts, inner, width, gen)
     w_down, s_down = fp8_stack(num_experts, width, inner, gen)
-    if shared_pieces:  # the pieces share the first piece's scale: their codes must be on it
+    if shared_pieces:  # one scale for the pieces: theirs is the first piece's, their codes any
         keep = num_experts - shared_pieces + 1
         s_up, s_down = s_up[:keep], s_down[:keep]
-        for w, s in ((w_up, s_up), (w_down, s_down)):
-            w[keep:] = w[keep - 1]
     x = torch.randn(num_tokens, width, generator=gen, dtype=F64)
     ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
     if shared_pieces:
