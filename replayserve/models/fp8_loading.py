@@ -60,10 +60,15 @@ def _moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
 
 
+def _under(name: str) -> str:
+    """The prefix of the modules under module ``name`` ("" for the root)."""
+    return f"{name}." if name else ""
+
+
 def _expert_modules(name: str, moe: MoE) -> tuple[list[str], list[str]]:
     """(the routed experts' Linears, the shared expert's) of MoE layer ``name``, as module names."""
-    routed = [f"{name}.experts.{e}.{p}" for e in range(len(moe.experts)) for p in ("up_proj", "down_proj")]
-    return routed, [f"{name}.shared_experts.{p}" for p in ("up_proj", "down_proj")]
+    routed = [f"{_under(name)}experts.{e}.{p}" for e in range(len(moe.experts)) for p in ("up_proj", "down_proj")]
+    return routed, [f"{_under(name)}shared_experts.{p}" for p in ("up_proj", "down_proj")]
 
 
 def _check_expert_kinds(model: nn.Module, quantized: set[str] | frozenset[str], source: str) -> None:
@@ -128,8 +133,8 @@ def quantize_model_fp8(model: nn.Module, quant: QuantConfig) -> list[str]:
         if len(kinds) != 1:
             raise QuantizationError(f"{quant.source} quantizes some of {name}'s experts and not others; in memory "
                                     "a MoE layer's routed and shared experts are quantized together or not at all")
-    last_expert = {max(i for i, m in enumerate(chosen) if m.startswith(f"{name}.")): moe for name, moe in layers
-                   if any(m.startswith(f"{name}.") for m in chosen)}
+    last_expert = {max(i for i, m in enumerate(chosen) if m.startswith(_under(name))): moe for name, moe in layers
+                   if any(m.startswith(_under(name)) for m in chosen)}
     for i, module in enumerate(chosen):
         linear, fp8 = _swap_in(model, module, static_input_scale=False)
         weight, scale = quantize_fp8_per_tensor(linear.weight)
