@@ -9,11 +9,12 @@ alone (T tokens, top_k, E experts), so one MoE layer can be captured in a CUDA g
    up projection with relu^2 in its epilogue (kept in x's dtype, as the reference keeps it), then
    the down projection times the routing weight, one row per pair in x's dtype (the reference
    rounds each expert's output to x's dtype too, before weighting).
-   FP8 experts (float8_e4m3fn stacks, one float32 scale per expert, ``fused_moe_fp8_ref``): each
+   FP8 experts (float8_e4m3fn stacks, one float32 scale per expert; ``fused_moe_ref`` with scales): each
    weight tile is loaded as bytes and widened to x's dtype in registers (exact: every e4m3 value is
    a bf16, fp16 and fp32 value), the tensor-core product accumulates in fp32, and the block's
    expert scale multiplies the sums once, before the epilogue (every row of a block has the same
-   expert). At decode sizes the kernel streams weights, so half the bytes is close to half the time.
+   expert). At decode sizes the kernel streams weights, so its time should follow their bytes
+   (half of bf16's; not yet measured on a GPU: ``benchmarks/bench_moe.py --fp8``).
 3. ``_sum_topk_kernel`` sums each token's top_k rows in fp32 in a fixed order and adds the shared
    expert's output. Writing (T * top_k, W) and reducing costs a pass over that buffer (2 bytes an
    element in bf16) but, unlike fp32 atomics into the output, gives the same bits on every run.
@@ -119,7 +120,7 @@ def fused_moe_triton(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weigh
                      aligned: tuple[Tensor, Tensor, Tensor] | None = None,
                      scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """``fused_moe_ref`` on the GPU, rounded to x's dtype, plus ``add`` (the shared expert); with
-    ``scales``, ``fused_moe_fp8_ref`` (FP8 weights, dequantized in the kernel).
+    ``scales``, its FP8 form (FP8 weights, dequantized in the kernel).
 
     Arguments:
         x: (T, W) fp32, bf16 or fp16, rows may be strided.
