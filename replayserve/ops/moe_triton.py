@@ -34,8 +34,8 @@ from replayserve.ops.moe_route_triton import align_by_expert
 
 
 # The step's pair count only masks gathered rows: not specialised on (== 1, divisible by 16), which
-# would compile variants mid-serving.
-@triton.jit(do_not_specialize=["num_pairs"])
+# would compile variants mid-serving; nor the last scale's index (E or E - 1 by the step's folding).
+@triton.jit(do_not_specialize=["num_pairs", "last_scale"])
 def _grouped_gemm_kernel(
     a_ptr, w_ptr, w_scale_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
     num_pairs, n_out, k_in, pairs_per_row, last_scale,

@@ -91,3 +91,32 @@ def test_in_memory_a_moe_layer_is_quantized_whole_or_not_at_all() -> None:
         quantize_model_fp8(holder, QuantConfig("FP8", None, ("*shared_experts*",), "test"))
     kept = quantize_model_fp8(holder, QuantConfig("FP8", None, ("mixer.*",), "test"))
     assert kept == [] and holder.mixer.stacked_experts()[0].dtype == torch.float32
+    root = holder.mixer  # a MoE quantized as the root module (bench_moe --fp8)
+    assert "experts.0.up_proj" in quantize_model_fp8(root, ALL) and root.stacked_experts()[0].dtype == FP8_DTYPE
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+def test_an_fp8_moe_layer_replays_in_a_cuda_graph() -> None:
+    """bf16 activations, the shared expert folded: the graph's replays equal eager calls, and the
+    layer stays near its dequantized twin."""
+    holder = Holder(latent=False, shared=96, seed=0).to(torch.bfloat16).cuda()
+    holder.mixer.gate.float()
+    quantize_model_fp8(holder, ALL)
+    moe = holder.mixer
+    assert moe.stacked_experts()[0].dtype == FP8_DTYPE
+    static_x = torch.randn(4, 64, dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        moe(static_x)  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = moe(static_x)
+    twin = dequantized_twin(holder, latent=False, shared=96)  # reads the CUDA codes in place
+    for seed in range(3):
+        static_x.copy_(torch.randn(4, 64, generator=torch.Generator().manual_seed(seed)).to(static_x))
+        graph.replay()
+        assert torch.equal(static_out, moe(static_x))
+        want = twin.mixer(static_x.cpu().double())
+        torch.testing.assert_close(static_out.cpu().double(), want, atol=3e-2 * want.abs().max().item(), rtol=3e-2)
