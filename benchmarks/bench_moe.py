@@ -153,7 +153,7 @@ def sweep(moe: MoE, x: torch.Tensor, reps: int) -> dict:
     ids, weights = moe.gate(x)
     w_up, w_down = (w[:len(moe.experts)] for w in moe.stacked_experts())
     scales = moe.expert_scales(len(moe.experts))
-    default = default_config(ids.numel(), w_up.shape[0])
+    default = default_config(ids.numel(), w_up.shape[0], w_up.element_size())
     times: dict[GemmConfig, float] = {}
     for config in {default, *candidates(default.block_m)}:
         try:

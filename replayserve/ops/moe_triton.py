@@ -101,13 +101,15 @@ class GemmConfig:
     num_stages: int = 3
 
 
-def default_config(num_pairs: int, num_experts: int) -> GemmConfig:
+def default_config(num_pairs: int, num_experts: int, weight_bytes: int = 2) -> GemmConfig:
     """Tiles by the mean pairs per expert: decode reads weights (narrow rows, deep K steps), prefill
     is compute bound (wide tiles, more warps). Untuned guesses: `benchmarks/bench_moe.py --sweep`
-    measures the alternatives on the card."""
+    measures the alternatives on the card. `weight_bytes`: 1 for FP8 experts, whose decode tiles
+    take K steps twice as deep, so that a step reads the 256 bytes of each weight column that a
+    16-bit step reads (the same bytes in flight per program; not yet swept: `bench_moe.py --fp8`)."""
     mean = num_pairs / num_experts
     if mean <= 16:
-        return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
+        return GemmConfig(block_m=16, block_n=64, block_k=256 // weight_bytes, num_warps=4, num_stages=4)
     if mean <= 64:
         return GemmConfig(block_m=32 if mean <= 32 else 64, block_n=64, block_k=64, num_warps=4, num_stages=4)
     # H200 sweep, Nano's shape at 2048 tokens (96 pairs an expert): 1065 us against 1185 us for
@@ -152,7 +154,7 @@ def fused_moe_triton(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weigh
     num_pairs = num_tokens * top_k
     if aligned is not None and config is None:
         raise ValueError("aligned blocks come with the config whose block_m they were made for")
-    cfg = config or default_config(num_pairs, num_experts)
+    cfg = config or default_config(num_pairs, num_experts, w_up.element_size())
     sorted_pairs, block_expert, num_padded = aligned or align_by_expert(ids, num_experts, cfg.block_m)
     weights = weights.reshape(-1).contiguous()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models: no TF32 rounding, as PyTorch's
