@@ -7,10 +7,12 @@ stored, never cast. Excluded modules stay 16-bit Linears. The MoE experts (route
 ``FP8Linear``s too: ``MoE.stacked_experts`` stacks their codes and their per-expert weight scales,
 which the fused MoE kernel reads as they are (FP8 weights widened in registers). They run FP8
 weights on 16-bit activations: the experts' static ``input_scale`` tensors are checked and not
-applied (every row of the grouped GEMM is one expert's input, and rounding it through FP8 would
-only lose precision where the kernel reads weights anyway). Our layers fuse no projections the checkpoint stores apart
-(q, k and v are separate Linears; ``in_proj`` is one stored tensor), so no shards need a common
-scale here; ``ops.fp8.requantize_to_max_scale`` is the tool for a family that does.
+applied (rounding the activations through FP8 would only lose precision in a kernel that reads
+weights). The shared expert, folded into the grouped GEMM up to 32 tokens, runs as its own FP8
+MLP above that, as an FP8 Linear without input_scale does (``ops.fp8_linear``). Our layers fuse
+no projections the checkpoint stores apart (q, k and v are separate Linears; ``in_proj`` is one
+stored tensor), so no shards need a common scale here; ``ops.fp8.requantize_to_max_scale`` is the
+tool for a family that does.
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ def quantize_model_fp8(model: nn.Module, quant: QuantConfig) -> list[str]:
         fp8.weight_scale.copy_(scale)
         if linear.bias is not None:
             fp8.bias.data = linear.bias.data
-        del linear
+        del linear  # an expert's weight is a view of the 16-bit stack: drop it before restacking
         if i in last_expert:  # the FP8 experts become views of FP8 stacks; the 16-bit stack goes
             last_expert[i].stacked_experts()
     return chosen
