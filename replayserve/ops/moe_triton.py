@@ -105,8 +105,9 @@ def default_config(num_pairs: int, num_experts: int, weight_bytes: int = 2) -> G
     """Tiles by the mean pairs per expert: decode reads weights (narrow rows, deep K steps), prefill
     is compute bound (wide tiles, more warps). Untuned guesses: `benchmarks/bench_moe.py --sweep`
     measures the alternatives on the card. `weight_bytes`: 1 for FP8 experts, whose decode tiles
-    take K steps twice as deep, so that a step reads the 256 bytes of each weight column that a
-    16-bit step reads (the same bytes in flight per program; not yet swept: `bench_moe.py --fp8`)."""
+    take K steps twice as deep: half the steps of a 16-bit expert, each reading the same 256 bytes
+    of a weight column, so the kernel gains whether a decode call is bound by bytes or by its
+    chain of steps (not yet swept on a GPU: `bench_moe.py --fp8 --sweep`)."""
     mean = num_pairs / num_experts
     if mean <= 16:
         return GemmConfig(block_m=16, block_n=64, block_k=256 // weight_bytes, num_warps=4, num_stages=4)
