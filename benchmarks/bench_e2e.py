@@ -369,7 +369,9 @@ def main(argv: list[str] | None = None) -> dict:
         tag = "" if quantization == "none" else f"+{quantization}"
         if quantization == "fp8":
             rule = QuantConfig("FP8", None, nemotron_h_default_excludes(model.config), "--quantization fp8")
-            result["meta"]["fp8_modules"] = len(quantize_model_fp8(model, rule))
+            names = quantize_model_fp8(model, rule)
+            result["meta"]["fp8_modules"] = len(names)
+            result["meta"]["fp8_expert_modules"] = sum("experts." in n for n in names)  # routed and shared
             result["meta"]["fp8_weights_gb"] = weights_gb(model)
             free_memory(device)
         timed_rows(model, args, rates, result, tag, save)
