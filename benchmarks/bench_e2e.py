@@ -18,7 +18,10 @@ MFU against the measured matmul rate), and the time to first token of one `--ttf
 `--hf` adds Hugging Face transformers' NemotronH on the same weights (decode steps timed inside
 `generate`). `--quantization none fp8` runs every row twice in one run: on the 16-bit weights,
 then with the Linears quantized to FP8 in memory as `replayserve quantize` and loading would
-(NVIDIA's exclusions, MoE experts 16-bit, activations scaled per call; backends named `+fp8`).
+(NVIDIA's exclusions; the MoE experts, routed and shared, FP8 with one scale per expert, read
+by the fused MoE kernel as FP8; dense activations scaled per call, the experts' kept 16-bit;
+backends named `+fp8`). Each MoE layer's 16-bit expert stack is freed once its experts are
+quantized, so the peak is the 16-bit model plus one layer.
 Rows that do not fit in device memory are skipped. Each engine's KV blocks and Mamba
 slots are sized for its batch and lengths, and freed before the next row.
 
@@ -26,6 +29,8 @@ slots are sized for its batch and lengths, and freed before the next row.
         [--batch 1 16 64 256 512 --repeats 5]                                         # ~3.5 min
     python benchmarks/bench_e2e.py --device cpu --size small     # float32, under a minute
     python benchmarks/bench_e2e.py --device cuda --size nemotron-h-8b --quantization none fp8   # bf16 vs FP8
+    python benchmarks/bench_e2e.py --device cuda --size nemotron-3-nano-30b-a3b --batch 1 64 --skip-prefill \
+        --backends replay-async --steps 32 --repeats 3 --quantization none fp8   # FP8 experts: issue 40's bar
     python benchmarks/bench_e2e.py --device cuda --size qwen3.5-9b --batch 1 256 --prompt-len 4 --skip-prefill
         # Gated DeltaNet (benchmarks/run_gdn_gpu.sh); a backend the engine refuses for a model (ReplaySSM
         # for GDN layers, for now) gets a row that says so
@@ -364,7 +369,9 @@ def main(argv: list[str] | None = None) -> dict:
         tag = "" if quantization == "none" else f"+{quantization}"
         if quantization == "fp8":
             rule = QuantConfig("FP8", None, nemotron_h_default_excludes(model.config), "--quantization fp8")
-            result["meta"]["fp8_modules"] = len(quantize_model_fp8(model, rule))
+            names = quantize_model_fp8(model, rule)
+            result["meta"]["fp8_modules"] = len(names)
+            result["meta"]["fp8_expert_modules"] = sum("experts." in n for n in names)  # routed and shared
             result["meta"]["fp8_weights_gb"] = weights_gb(model)
             free_memory(device)
         timed_rows(model, args, rates, result, tag, save)

@@ -12,6 +12,13 @@ in the same run, and the FLOPs against the measured bf16 matmul rate.
     python benchmarks/bench_moe.py --tokens 1 64 256 16384 --size medium --out DIR
     python benchmarks/bench_moe.py --sweep                               # + GEMM tiles per T: minutes
 
+`--fp8` quantizes the experts (routed and shared, latent projections aside) in memory as bench_e2e's
+`--quantization fp8` does: the grouped GEMMs then read float8_e4m3fn stacks with per-expert
+scales; their bytes count 1 a weight.
+For FP8 against bf16, run it twice (`--out` two directories), or on one warm card:
+
+    python benchmarks/bench_moe.py --tokens 1 8 64 --no-ref && python benchmarks/bench_moe.py --tokens 1 8 64 --fp8
+
 `--sweep` times the routed experts alone (`fused_moe_triton`, graphed) under each candidate
 `GemmConfig` and prints the best beside `default_config`'s, to retune that function.
 `--profile` prints, per T, the GPU kernels of the graphed layer (torch.profiler over 20 replays):
@@ -37,6 +44,8 @@ from shapes import SIZES, model_config  # noqa: E402
 from replayserve.config import ModelConfig  # noqa: E402
 from replayserve.layers import mlp  # noqa: E402
 from replayserve.layers.mlp import MoE  # noqa: E402
+from replayserve.models.fp8_loading import quantize_model_fp8  # noqa: E402
+from replayserve.models.quantization import QuantConfig  # noqa: E402
 from replayserve.ops.moe import fused_moe_ref  # noqa: E402
 from replayserve.ops.moe_triton import GemmConfig, default_config, fused_moe_triton  # noqa: E402
 
@@ -50,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--no-ref", action="store_true", help="skip the reference loop (slow at large T)")
+    p.add_argument("--fp8", action="store_true", help="FP8 experts (per-expert scales), quantized in memory")
     p.add_argument("--sweep", action="store_true", help="time candidate GEMM tiles per T")
     p.add_argument("--profile", action="store_true", help="the graphed layer's kernels per T")
     p.add_argument("--out", type=Path, help="write bench_moe.json here")
@@ -89,14 +99,14 @@ def bytes_and_flops(moe: MoE, x: torch.Tensor) -> tuple[int, int, int]:
     ids, _ = moe.gate(x)
     used = len(ids.unique())
     w_up, _ = moe.stacked_experts()
-    expert = 2 * w_up[0].numel() * w_up.element_size()
-    shared = sum(p.numel() * p.element_size() for p in moe.shared_experts.parameters())
-    latent = sum(p.numel() * p.element_size() for m in (moe.fc1_latent_proj, moe.fc2_latent_proj)
-                 for p in m.parameters())
+    expert = 2 * w_up[0].numel()
+    shared = list(moe.shared_experts.parameters())
+    latent = [p for m in (moe.fc1_latent_proj, moe.fc2_latent_proj) for p in m.parameters()]
     router = moe.gate.weight.numel() * moe.gate.weight.element_size()
     io = 2 * x.numel() * x.element_size()
-    flops = 2 * x.shape[0] * (ids.shape[1] * expert + shared + latent) // x.element_size()
-    return used * expert + shared + latent + router + io, flops, used
+    flops = 2 * x.shape[0] * (ids.shape[1] * expert + sum(p.numel() for p in shared + latent))
+    dense = sum(p.numel() * p.element_size() for p in shared + latent)
+    return used * expert * w_up.element_size() + dense + router + io, flops, used
 
 
 def reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
@@ -104,7 +114,8 @@ def reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     ids, weights = moe.gate(x)
     num = len(moe.experts)  # the stacks end with the shared expert's pseudo-experts when it folds
     w_up, w_down = moe.stacked_experts()
-    routed = fused_moe_ref(moe.fc1_latent_proj(x), w_up[:num], w_down[:num], ids.long(), weights)
+    routed = fused_moe_ref(moe.fc1_latent_proj(x), w_up[:num], w_down[:num], ids.long(), weights,
+                           scales=moe.expert_scales(num))
     return moe.fc2_latent_proj(routed.to(x.dtype)) + moe.shared_experts(x)
 
 
@@ -141,11 +152,12 @@ def sweep(moe: MoE, x: torch.Tensor, reps: int) -> dict:
     the best's, in microseconds."""
     ids, weights = moe.gate(x)
     w_up, w_down = (w[:len(moe.experts)] for w in moe.stacked_experts())
-    default = default_config(ids.numel(), w_up.shape[0])
+    scales = moe.expert_scales(len(moe.experts))
+    default = default_config(ids.numel(), w_up.shape[0], w_up.element_size())
     times: dict[GemmConfig, float] = {}
     for config in {default, *candidates(default.block_m)}:
         try:
-            run = graphed(lambda c=config: fused_moe_triton(x, w_up, w_down, ids, weights, config=c))
+            run = graphed(lambda c=config: fused_moe_triton(x, w_up, w_down, ids, weights, config=c, scales=scales))
         except Exception as e:  # noqa: BLE001 - a tile that does not fit (shared memory) is skipped
             print(f"  skipped {config}: {type(e).__name__}", file=sys.stderr)
             continue
@@ -179,7 +191,7 @@ def profile_kernels(moe: MoE, x: torch.Tensor, replays: int = 20) -> dict[str, f
 def candidates(block_m: int) -> list[GemmConfig]:
     """Tiles around a default block_m: half to twice it, 16 to 128."""
     ms = sorted({m for m in (block_m // 2, block_m, 2 * block_m) if 16 <= m <= 128})
-    return [GemmConfig(m, n, k, w, st) for m in ms for n in (32, 64, 128) for k in (64, 128) for w in (4, 8)
+    return [GemmConfig(m, n, k, w, st) for m in ms for n in (32, 64, 128) for k in (64, 128, 256) for w in (4, 8)
             for st in (3, 4)]
 
 
@@ -190,8 +202,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     dtype = DTYPES[args.dtype]
     cfg = model_config(args.size)
     moe = random_moe(cfg, dtype, device)
+    if args.fp8:
+        # the latent projections stay 16-bit, as in NVIDIA's recipe (bench_e2e's rule)
+        quantize_model_fp8(moe, QuantConfig("FP8", None, ("fc1_latent_proj", "fc2_latent_proj"), "--fp8"))
     rates = measure_rates(device, dtype)
-    print(f"{args.size}: {cfg.n_routed_experts} experts of {cfg.moe_intermediate_size}, top-{cfg.num_experts_per_tok}, "
+    kind = " FP8 experts" if args.fp8 else ""
+    print(f"{args.size}{kind}: {cfg.n_routed_experts} experts of {cfg.moe_intermediate_size}, "
+          f"top-{cfg.num_experts_per_tok}, "
           f"hidden {cfg.hidden_size}; copy {rates['copy_bytes_per_s'] / 1e9:.0f} GB/s, "
           f"matmul {rates['matmul_flop_per_s'] / 1e12:.0f} TFLOP/s")
     print(f"{'T':>6} {'experts':>7} {'fused us':>9} {'graph us':>9} {'unfolded':>9} {'ref us':>9} {'ref/fused':>9} "
@@ -203,7 +220,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 for t in (args.tokens if args.profile else [])]
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_moe.json").write_text(json.dumps({"size": args.size, "dtype": args.dtype, "rates": rates,
+        (args.out / "bench_moe.json").write_text(json.dumps({"size": args.size, "dtype": args.dtype, "fp8": args.fp8,
+                                                             "rates": rates,
                                                              "rows": rows, "sweeps": sweeps, "profiles": profiles},
                                                             indent=2))
     return rows

@@ -2,6 +2,9 @@
 with NVIDIA ModelOpt's own FP8 recipe (weights and static activation scales, plus an FP8 KV cache)
 on the CPU, and exported with ModelOpt's Hugging Face exporter. Beside the export it saves the
 bf16 model it started from (``bf16/``), so tests can check our quantizer against ModelOpt's.
+The MoE layer's experts come out FP8 like every other projection: each expert's ``up_proj`` and
+``down_proj`` with its own ``weight_scale`` (the experts of a layer share one ``input_scale``),
+which the loader keeps FP8 for the fused MoE kernel (``tests/models/test_fp8_checkpoint.py``).
 
 ModelOpt runs here in a virtual environment of its own, so it cannot change the project's
 (it wants ``transformers<5.15`` for its ``hf`` extra; the plain package takes any transformers):

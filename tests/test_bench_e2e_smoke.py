@@ -115,6 +115,29 @@ def test_bench_e2e_times_16_bit_and_fp8_weights_in_one_run() -> None:
     assert result["meta"]["fp8_weights_gb"] < result["meta"]["weights_gb"]
 
 
+def test_bench_e2e_fp8_rows_quantize_the_moe_experts() -> None:
+    """The tiny shape has a MoE layer: its experts become FP8 too. The weights shrink by 3 bytes
+    (float32 on the CPU -> FP8) for every weight of every Linear the recipe keeps, experts included."""
+    threads = torch.get_num_threads()
+    try:
+        result = bench_e2e.main(["--device", "cpu", "--size", "tiny", "--batch", "1", "--steps", "2", "--window",
+                                 "2", "--warmup", "1", "--repeats", "1", "--prompt-len", "8", "--skip-prefill",
+                                 "--backends", "baseline", "--quantization", "none", "fp8"])
+    finally:
+        torch.set_num_threads(threads)
+    cfg = bench_e2e.model_config("tiny")
+    rule = bench_e2e.QuantConfig("FP8", None, bench_e2e.nemotron_h_default_excludes(cfg), "test")
+    linears = {n: m for n, m in bench_e2e.NemotronHForCausalLM(cfg).named_modules()
+               if isinstance(m, torch.nn.Linear) and not rule.is_excluded(n)}
+    experts = [n for n in linears if "experts." in n]
+    meta = result["meta"]
+    assert meta["fp8_expert_modules"] == len(experts) > 0
+    saved = 3 * sum(m.weight.numel() for m in linears.values()) / 1e9
+    assert meta["weights_gb"] - meta["fp8_weights_gb"] == pytest.approx(saved, rel=1e-9)
+    bf16, fp8 = (r["bytes_by_part"]["weights"] for r in result["decode"])
+    assert fp8 < bf16
+
+
 def test_bench_e2e_runs_a_gated_deltanet_shape_on_both_backends(tmp_path: Path) -> None:
     """A Qwen3.5 shape end to end on both GDN backends: ReplaySSM reads and writes fewer state bytes
     and adds its rings."""

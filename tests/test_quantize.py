@@ -152,6 +152,10 @@ def test_the_written_checkpoint_loads_as_fp8_with_dynamic_activations(bf16_dir: 
     assert isinstance(mlp, FP8Linear)
     want = source.backbone.layers[2].mixer.up_proj(x)
     assert ((mlp(x) - want).abs().max() / want.abs().max()).item() < 0.07  # e4m3's 3 mantissa bits
+    moe = model.backbone.layers[4].mixer  # the MoE's experts load FP8: one FP8 stack, per-expert scales
+    assert all(isinstance(m.up_proj, FP8Linear) for m in moe.experts) and moe.stacked_experts()[0].dtype == FP8_DTYPE
+    want = source.backbone.layers[4].mixer(x)
+    assert ((moe(x) - want).abs().max() / want.abs().max()).item() < 0.1
 
 
 def test_other_families_are_refused_naming_theirs(tmp_path: Path) -> None:

@@ -119,7 +119,7 @@ class Runner:
             shapes = tuple((p.shape, p.dtype) for p in moe.parameters())
             if shapes not in swept:  # layers of one shape launch the same kernel variants
                 swept.add(shapes)
-                moe.warm_up(self.config.max_num_batched_tokens)
+                moe.warm_up(self.config.max_num_batched_tokens, self.dtype)
         return self.graphs.prepare_all() if self.graphs is not None else ()
 
     def _restore_windows(self, windows: dict[int, torch.Tensor]) -> None:

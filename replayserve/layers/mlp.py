@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from replayserve.config import ModelConfig
+from replayserve.layers.fp8_linear import FP8Linear
 from replayserve.layers.linear import Linear
 from replayserve.ops.activation import relu_square
 from replayserve.ops.dispatch import use_triton
@@ -102,19 +103,24 @@ class MoE(nn.Module):
         shared, inner = cfg.moe_shared_expert_intermediate_size, cfg.moe_intermediate_size
         foldable = cfg.moe_latent_size is None and not cfg.mlp_bias and shared and shared % inner == 0
         self.num_folded = shared // inner if foldable else 0
+        self._scales: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def stacked_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts' weights as (E + S, I, W) up and (E + S, W, I) down projections: the E routed
         experts, then the shared expert's S = `num_folded` pseudo-experts (S = 0 when not foldable).
+        16-bit, or float8_e4m3fn when the experts are `FP8Linear`s (an FP8 checkpoint's): their
+        per-expert scales are then stacked too (`expert_scales`).
 
         Every parameter (`experts.{e}.up_proj.weight`, `shared_experts.down_proj.weight`: the
-        checkpoint's names) is made a view of its slice, so the stacks cost no memory of their own
-        and a load's in-place copies land in them. The down stack is stored (W, E + S, I) and
-        returned permuted: the shared expert's (W, S * I) down projection is then one view of it.
-        Restacked where the parameters stopped being those views (moved by `.to()`, cast): the
-        models' `cast_` stacks at build time, so a forward only compares the first and the last
-        parameter's address with the stacks' (all of them would cost ~1 ms of module lookups per
-        layer and call, which eager prefill pays; one parameter replaced alone is not noticed)."""
+        checkpoint's names) and every FP8 scale buffer (`experts.{e}.up_proj.weight_scale`) is made
+        a view of its slice, so the stacks cost no memory of their own and a load's in-place copies
+        land in them. The down stack is stored (W, E + S, I) and returned permuted: the shared
+        expert's (W, S * I) down projection is then one view of it.
+        Restacked where the parameters stopped being those views (moved by `.to()`, cast, FP8
+        modules swapped in): the models' `cast_` stacks at build time, so a forward only compares
+        the first and the last parameter's address with the stacks' (all of them would cost ~1 ms
+        of module lookups per layer and call, which eager prefill pays; one parameter replaced
+        alone is not noticed)."""
         num, folded = len(self.experts), self.num_folded
         first = self.experts[0].up_proj.weight
         last = (self.shared_experts if folded else self.experts[-1]).down_proj.weight
@@ -124,6 +130,9 @@ class MoE(nn.Module):
             return stacked
         ups = [m.up_proj.weight for m in self.experts]
         downs = [m.down_proj.weight for m in self.experts]
+        if len({w.dtype for w in ups + downs}) != 1:
+            raise ValueError(f"the routed experts' weights must share one dtype to be stacked, got "
+                             f"{sorted({str(w.dtype) for w in ups + downs})}")
         inner, width = ups[0].shape
         with torch.no_grad():
             up_parts = [p.detach() for p in ups]
@@ -142,42 +151,70 @@ class MoE(nn.Module):
                 self.shared_experts.up_proj.weight.data = w_up[num:].reshape(folded * inner, width)
                 self.shared_experts.down_proj.weight.data = w_down[num:].permute(1, 0, 2).reshape(
                     width, folded * inner)
+            self._scales = self._stack_scales() if isinstance(self.experts[0].up_proj, FP8Linear) else None
         self._stacked = (w_up, w_down)
         return self._stacked
 
+    def _stack_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(up, down) weight scales of the FP8 experts, each (E,) float32, or (E + 1,) with the
+        folded shared expert's one scale last (its S pieces share it: ``ops.moe.expert_scale``);
+        each module's `weight_scale` buffer becomes a view of its entry."""
+        mlps = [*self.experts, *([self.shared_experts] if self.num_folded else [])]
+        stacks = []
+        for proj in ("up_proj", "down_proj"):
+            linears = [getattr(m, proj) for m in mlps]
+            stack = torch.stack([lin.weight_scale.detach().reshape(()) for lin in linears])
+            for i, lin in enumerate(linears):
+                lin.weight_scale = stack[i]
+            stacks.append(stack)
+        return stacks[0], stacks[1]
+
+    def expert_scales(self, count: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The FP8 stacks' (up, down) per-expert scales for the first `count` experts of the stacks
+        (E, or E + S with the shared expert folded), as ``fused_moe_triton`` and ``fused_moe_ref``
+        take them; None for 16-bit experts. Call after `stacked_experts`."""
+        if self._scales is None:
+            return None
+        up, down = self._scales
+        return up[:count], down[:count]
+
     @torch.no_grad()
-    def warm_up(self, max_tokens: int) -> None:
+    def warm_up(self, max_tokens: int, dtype: torch.dtype) -> None:
         """Runs the forward on zeros at every token count from 1 to `max_tokens`, dropping the
         outputs (startup warm-up): on CUDA each count's launches compile their kernel variants now.
         No short list of counts would do: the routing's tiles follow the count's power of two, the
         alignment's the pairs' (top_k, plus the folded shared expert up to FOLD_SHARED_MAX_TOKENS
         tokens), the GEMM tiles the pairs per expert. `forward`, not a call: under tensor
-        parallelism a hook all-reduces the layer's output, and this runs on each rank alone."""
+        parallelism a hook all-reduces the layer's output, and this runs on each rank alone.
+        dtype: the model's activations' (FP8 experts' weights do not tell it)."""
         weight = self.gate.weight
-        x = torch.zeros(max_tokens, weight.shape[1], dtype=self.experts[0].up_proj.weight.dtype, device=weight.device)
+        x = torch.zeros(max_tokens, weight.shape[1], dtype=dtype, device=weight.device)
         for n in range(1, max_tokens + 1):
             self.forward(x[:n])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden). On CUDA (fp32, bf16, fp16) the routed experts run as Triton
         kernels without a host sync (CUDA-graph safe), with the shared expert folded in for up to
-        FOLD_SHARED_MAX_TOKENS tokens; elsewhere as the per-expert reference loop."""
+        FOLD_SHARED_MAX_TOKENS tokens; elsewhere as the per-expert reference loop. FP8 experts
+        stay FP8 on both paths (dequantized in the kernel, or per expert by the reference)."""
         num = len(self.experts)
         w_up, w_down = self.stacked_experts()
         if use_triton(x):  # the grouped GEMM and its aligned routing: a composition of kernels only
             from replayserve.ops.moe_triton import default_config, fused_moe_triton
 
             folded = self.num_folded if x.shape[0] <= FOLD_SHARED_MAX_TOKENS else 0
-            config = default_config(x.shape[0] * (self.gate.top_k + folded), num + folded)
+            config = default_config(x.shape[0] * (self.gate.top_k + folded), num + folded, w_up.element_size())
             ids, weights, aligned = self.gate.route_aligned(x, folded, config.block_m)
             kw = dict(config=config, aligned=aligned)
             if folded:
-                return fused_moe_triton(x, w_up, w_down, ids, weights, **kw)
+                return fused_moe_triton(x, w_up, w_down, ids, weights, scales=self.expert_scales(num + 1), **kw)
+            kw["scales"] = self.expert_scales(num)
             routed_in, shared = self.fc1_latent_proj(x), self.shared_experts(x)
             if isinstance(self.fc2_latent_proj, nn.Identity):  # the shared expert added in the same kernel
                 return fused_moe_triton(routed_in, w_up[:num], w_down[:num], ids, weights, add=shared, **kw)
             return self.fc2_latent_proj(fused_moe_triton(routed_in, w_up[:num], w_down[:num], ids, weights, **kw)
                                         ) + shared
         ids, weights = self.gate(x)
-        routed = fused_moe_ref(self.fc1_latent_proj(x), w_up[:num], w_down[:num], ids, weights)
+        routed = fused_moe_ref(self.fc1_latent_proj(x), w_up[:num], w_down[:num], ids, weights,
+                               scales=self.expert_scales(num))
         return self.fc2_latent_proj(routed.to(x.dtype)) + self.shared_experts(x)

@@ -3,12 +3,16 @@ reads its config and checks its tensors).
 
 Before any weight is allocated, every quantized Linear of the meta model becomes an ``FP8Linear``
 (float8_e4m3fn weight, its scales as buffers under the checkpoint's names), so the weights load as
-stored, never cast. Excluded modules stay 16-bit Linears. The MoE experts (routed and shared)
-are the one exception: their FP8 weights are dequantized to the model's dtype as they load,
-because the fused MoE kernel reads them as one 16-bit stack (``MoE.stacked_experts``; an FP8
-grouped GEMM with per-expert scales is not written yet). Our layers fuse no projections the checkpoint stores apart
-(q, k and v are separate Linears; ``in_proj`` is one stored tensor), so no shards need a common
-scale here; ``ops.fp8.requantize_to_max_scale`` is the tool for a family that does.
+stored, never cast. Excluded modules stay 16-bit Linears. The MoE experts (routed and shared) are
+``FP8Linear``s too: ``MoE.stacked_experts`` stacks their codes and their per-expert weight scales,
+which the fused MoE kernel reads as they are (FP8 weights widened in registers). They run FP8
+weights on 16-bit activations: the experts' static ``input_scale`` tensors are checked and not
+applied (rounding the activations through FP8 would only lose precision in a kernel that reads
+weights). The shared expert, folded into the grouped GEMM up to 32 tokens, runs as its own FP8
+MLP above that, as an FP8 Linear without input_scale does (``ops.fp8_linear``). Our layers fuse
+no projections the checkpoint stores apart (q, k and v are separate Linears; ``in_proj`` is one
+stored tensor), so no shards need a common scale here; ``ops.fp8.requantize_to_max_scale`` is the
+tool for a family that does.
 """
 
 from __future__ import annotations
@@ -21,8 +25,14 @@ from torch import Tensor, nn
 
 from replayserve.layers.fp8_linear import FP8Linear
 from replayserve.layers.mlp import MoE
-from replayserve.models.quantization import QuantConfig, QuantizedTensors, check_quantized_tensors, quantizable_modules
-from replayserve.ops.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8_per_tensor
+from replayserve.models.quantization import (
+    QuantConfig,
+    QuantizationError,
+    QuantizedTensors,
+    check_quantized_tensors,
+    quantizable_modules,
+)
+from replayserve.ops.fp8 import quantize_fp8_per_tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,50 +40,71 @@ class FP8Plan:
     """How a checkpoint's FP8 tensors load into the model ``prepare_fp8_model`` changed.
 
     found: the checked scales (``check_quantized_tensors``).
-    dequantized: quantized Linear module names that load as 16-bit weights (the MoE experts).
     """
 
     found: QuantizedTensors
-    dequantized: frozenset[str]
 
     def takes_as_scale(self, name: str) -> bool:
-        """Whether checkpoint tensor ``name`` is a scale read here rather than a model parameter."""
+        """Whether checkpoint tensor ``name`` is a scale read here rather than a model parameter
+        (the KV cache's, and the MoE experts' input scales)."""
         return name in self.found.scale_names
 
-    def loaded(self, name: str, tensor: Tensor, target: Tensor) -> Tensor:
-        """The tensor to copy into ``target`` for checkpoint tensor ``name``: an FP8 weight of a
-        dequantized module becomes ``weight * weight_scale`` in target's dtype; a one-element
-        scale stored as (1,) becomes 0-dim; everything else is returned as it is."""
-        module = name.removesuffix(".weight")
-        if module in self.dequantized and name != module and tensor.dtype == FP8_DTYPE:
-            return dequantize_fp8(tensor, self.found.linears[module].weight_scale, target.dtype)
+    @staticmethod
+    def loaded(tensor: Tensor, target: Tensor) -> Tensor:
+        """The tensor to copy into ``target``: a one-element scale stored as (1,) becomes 0-dim;
+        everything else is returned as it is."""
         if target.dim() == 0 and tensor.numel() == 1:
             return tensor.reshape(())
         return tensor
 
 
-def _moe_expert_prefixes(model: nn.Module) -> tuple[str, ...]:
-    return tuple(p for name, m in model.named_modules() if isinstance(m, MoE)
-                 for p in (f"{name}.experts.", f"{name}.shared_experts."))
+def _moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+
+
+def _under(name: str) -> str:
+    """The prefix of the modules under module ``name`` ("" for the root)."""
+    return f"{name}." if name else ""
+
+
+def _expert_modules(name: str, moe: MoE) -> tuple[list[str], list[str]]:
+    """(the routed experts' Linears, the shared expert's) of MoE layer ``name``, as module names."""
+    routed = [f"{_under(name)}experts.{e}.{p}" for e in range(len(moe.experts)) for p in ("up_proj", "down_proj")]
+    return routed, [f"{_under(name)}shared_experts.{p}" for p in ("up_proj", "down_proj")]
+
+
+def _check_expert_kinds(model: nn.Module, quantized: set[str] | frozenset[str], source: str) -> None:
+    """The routed experts of a MoE layer are one stack, so all FP8 or all 16-bit (else an error
+    naming a module of each kind). A shared expert of the other kind (or half quantized) cannot
+    join that stack: it is then not folded in (``MoE.num_folded`` = 0) and runs as its own MLP."""
+    for name, moe in _moe_layers(model):
+        routed, shared = _expert_modules(name, moe)
+        fp8 = [m for m in routed if m in quantized]
+        if fp8 and len(fp8) != len(routed):
+            other = next(m for m in routed if m not in quantized)
+            raise QuantizationError(f"{source} quantizes {fp8[0]} but not {other}: a MoE layer's routed experts "
+                                    "run as one stack, so they must be all FP8 or all 16-bit")
+        if {m in quantized for m in shared} != {bool(fp8)}:
+            moe.num_folded = 0
 
 
 def prepare_fp8_model(model: nn.Module, quant: QuantConfig, header: Mapping[str, Tensor]) -> FP8Plan:
     """Checks the checkpoint's tensors against ``quant`` and the model (errors name the tensor)
-    and swaps an ``FP8Linear`` in for every quantized Linear that is no MoE expert.
+    and swaps an ``FP8Linear`` in for every quantized Linear, MoE experts included (those without
+    an input_scale: weight-only).
 
     model: built on the meta device, not yet allocated. header: checkpoint name -> tensor, with
     meta tensors for weights (dtype and shape) and the scales' values.
     """
     linears, attentions = quantizable_modules(model)
     found = check_quantized_tensors(header, quant, linears, attentions)
-    experts = _moe_expert_prefixes(model)
-    dequantized = frozenset(m for m in found.linears if m.startswith(experts))
+    _check_expert_kinds(model, set(found.linears), quant.source)
+    experts = {m for name, moe in _moe_layers(model) for part in _expert_modules(name, moe) for m in part}
     for module in found.linears:
-        if module not in dequantized:
-            _swap_in(model, module, found.static_activations)
+        _swap_in(model, module, found.static_activations and module not in experts)
     for attention, scales in found.kv_cache.items():  # read once here: the kernels take them as numbers
         model.get_submodule(attention).kv_scales = (float(scales.k_scale), float(scales.v_scale))
-    return FP8Plan(found, dequantized)
+    return FP8Plan(found)
 
 
 def _swap_in(model: nn.Module, module: str, static_input_scale: bool) -> tuple[nn.Linear, FP8Linear]:
@@ -89,18 +120,31 @@ def _swap_in(model: nn.Module, module: str, static_input_scale: bool) -> tuple[n
 @torch.no_grad()
 def quantize_model_fp8(model: nn.Module, quant: QuantConfig) -> list[str]:
     """In memory, what ``replayserve quantize`` and loading its output do to a loaded 16/32-bit
-    model: every Linear ``quant`` does not exclude, MoE experts aside, becomes an FP8Linear holding
-    ``quantize_fp8_per_tensor`` of its weight, with no input_scale (activations scaled per call).
-    Each 16-bit weight is freed as its FP8 copy is made. For benchmarks on random weights.
+    model: every Linear ``quant`` does not exclude, MoE experts included, becomes an FP8Linear
+    holding ``quantize_fp8_per_tensor`` of its weight, with no input_scale (activations scaled per
+    call; the experts' kernel keeps them 16-bit). Each 16-bit weight is freed as its FP8 copy is
+    made, a MoE layer's expert stack once its last expert is done (the layer is then restacked in
+    FP8), so the peak is the 16-bit model plus one layer. For benchmarks on random weights.
     Returns the names of the modules quantized."""
     linears, _ = quantizable_modules(model)
-    experts = _moe_expert_prefixes(model)
-    chosen = [m for m in linears if not quant.is_excluded(m) and not m.startswith(experts)]
-    for module in chosen:
+    chosen = [m for m in linears if not quant.is_excluded(m)]
+    layers, chosen_set = _moe_layers(model), set(chosen)
+    for name, moe in layers:
+        routed, shared = _expert_modules(name, moe)
+        kinds = {m in chosen_set for m in routed + shared}
+        if len(kinds) != 1:
+            raise QuantizationError(f"{quant.source} quantizes some of {name}'s experts and not others; in memory "
+                                    "a MoE layer's routed and shared experts are quantized together or not at all")
+    last_expert = {max(i for i, m in enumerate(chosen) if m.startswith(_under(name))): moe for name, moe in layers
+                   if any(m.startswith(_under(name)) for m in chosen)}
+    for i, module in enumerate(chosen):
         linear, fp8 = _swap_in(model, module, static_input_scale=False)
         weight, scale = quantize_fp8_per_tensor(linear.weight)
         fp8.weight.copy_(weight)
         fp8.weight_scale.copy_(scale)
         if linear.bias is not None:
             fp8.bias.data = linear.bias.data
+        del linear  # an expert's weight is a view of the 16-bit stack: drop it before restacking
+        if i in last_expert:  # the FP8 experts become views of FP8 stacks; the 16-bit stack goes
+            last_expert[i].stacked_experts()
     return chosen

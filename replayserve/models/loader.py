@@ -189,13 +189,13 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     for path, name, tensor in iter_checkpoint(files, with_mtp=with_mtp):
         target = expected.get(name)
         if target is None:
-            if fp8 is None or not fp8.takes_as_scale(name):  # KV-cache scales and the experts' are read there
+            if fp8 is None or not fp8.takes_as_scale(name):  # KV-cache scales, experts' input scales: checked
                 unexpected.append(name)
             continue
         if shard is not None:
             tensor = shard.slice(name, tensor)
         if fp8 is not None:
-            tensor = fp8.loaded(name, tensor, target)
+            tensor = fp8.loaded(tensor, target)
         if target.is_floating_point() and not tensor.is_floating_point():
             # copy_ would cast it without a word: an integer A_log is a truncated (or quantized) tensor
             raise CheckpointError(f"checkpoint tensor {name} in {path} has dtype {tensor.dtype}; the model needs "

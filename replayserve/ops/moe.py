@@ -2,9 +2,11 @@
 
 ``router_logits_ref`` and ``topk_route_ref`` turn a token into its experts and weights;
 ``fused_moe_ref`` runs the chosen experts (relu^2 MLPs without bias) one expert at a time and sums
-their outputs per token. The expert loop asks the host which experts are in use (a sync): the
-Triton path does not. ``router_logits`` and ``topk_route`` are the routing's entry points
-(``dispatch.use_triton``); the grouped-GEMM path is the MoE layer's own composition.
+their outputs per token; FP8 experts (float8_e4m3fn stacks with one scale per expert, as ModelOpt
+stores each expert's projections) are dequantized as they are used, then run the same way. The
+expert loop asks the host which experts are in use (a sync): the Triton path does not.
+``router_logits`` and ``topk_route`` are the routing's entry points (``dispatch.use_triton``); the
+grouped-GEMM path is the MoE layer's own composition.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import Tensor
 
 from replayserve.ops.activation import relu_square_ref
 from replayserve.ops.dispatch import use_triton
+from replayserve.ops.fp8 import FP8_DTYPE, dequantize_fp8
 
 # Up to this many tokens (decode steps) the router's logits come from one Triton kernel; larger
 # batches are matrix products for cuBLAS.
@@ -84,23 +87,59 @@ def topk_route(logits: Tensor, bias: Tensor, top_k: int, n_group: int, topk_grou
     return topk_route_ref(logits, bias, top_k, n_group, topk_group, norm_topk_prob, scaling)
 
 
-def fused_moe_ref(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+def check_expert_scales(w_up: Tensor, w_down: Tensor, scales: tuple[Tensor, Tensor] | None) -> None:
+    """Raises ValueError unless the stacks are float8_e4m3fn with ``scales`` = (up, down), each
+    (E_s,) float32 on the stacks' device with 1 <= E_s <= E (``expert_scale``), or 16-bit and
+    ``scales`` is None."""
+    fp8 = [w.dtype == FP8_DTYPE for w in (w_up, w_down)]
+    if scales is None:
+        if any(fp8):
+            raise ValueError("float8_e4m3fn expert stacks need their per-expert scales")
+        return
+    if not all(fp8):
+        raise ValueError(f"scales are for float8_e4m3fn expert stacks, got {w_up.dtype} / {w_down.dtype}")
+    num_experts = w_up.shape[0]
+    for s in scales:
+        if s.dim() != 1 or not 1 <= s.numel() <= num_experts or s.dtype != torch.float32 or s.device != w_up.device:
+            raise ValueError(f"expert scales must be (E_s,) float32 with 1 <= E_s <= {num_experts} on "
+                             f"{w_up.device}, got {tuple(s.shape)} {s.dtype} on {s.device}")
+    if scales[0].numel() != scales[1].numel():
+        raise ValueError(f"up and down scales differ in length: {scales[0].numel()} and {scales[1].numel()}")
+
+
+def expert_scale(scale: Tensor, expert: int) -> Tensor:
+    """Expert ``expert``'s weight scale from ``scale`` (E_s,): ``scale[min(expert, E_s - 1)]``. The
+    experts past the last scale are the pieces of the one shared expert the MoE layer folds into its
+    stacks (``MoE.stacked_experts``), all quantized with its one stored scale."""
+    return scale[min(expert, scale.numel() - 1)]
+
+
+def fused_moe_ref(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weights: Tensor,
+                  scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """The routed experts' sum: sum_k weights[t, k] * down_e(relu(up_e(x[t]))^2) with e = ids[t, k].
 
     Arguments:
         x: (T, W) the experts' input (hidden or latent width).
-        w_up: (E, I, W) up projections, nn.Linear layout, x's dtype.
-        w_down: (E, W, I) down projections.
+        w_up: (E, I, W) up projections, nn.Linear layout, x's dtype; or float8_e4m3fn with ``scales``.
+        w_down: (E, W, I) down projections, likewise.
         ids: (T, top_k) integer expert ids.
         weights: (T, top_k) routing weights (float32 for half models).
+        scales: (up, down) per-expert weight scales of FP8 stacks (``check_expert_scales``): expert
+            e's weights are ``dequantize_fp8(w[e], expert_scale(scale, e), x.dtype)``, the values
+            the FP8 kernel multiplies (rounded once to x's dtype here, kept in fp32 there).
 
     Returns:
         (T, W) in weights.dtype: each expert runs in x's dtype, its output is weighted and summed
         in weights.dtype.
     """
+    check_expert_scales(w_up, w_down, scales)
     routed = torch.zeros_like(x, dtype=weights.dtype)
     for e in ids.unique().tolist():
         token, k = (ids == e).nonzero(as_tuple=True)
-        out = F.linear(relu_square_ref(F.linear(x[token], w_up[e])), w_down[e]) * weights[token, k, None]
+        up, down = w_up[e], w_down[e]
+        if scales is not None:
+            up = dequantize_fp8(up, expert_scale(scales[0], e), x.dtype)
+            down = dequantize_fp8(down, expert_scale(scales[1], e), x.dtype)
+        out = F.linear(relu_square_ref(F.linear(x[token], up)), down) * weights[token, k, None]
         routed.index_add_(0, token, out.to(routed.dtype))
     return routed

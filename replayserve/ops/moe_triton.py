@@ -9,6 +9,12 @@ alone (T tokens, top_k, E experts), so one MoE layer can be captured in a CUDA g
    up projection with relu^2 in its epilogue (kept in x's dtype, as the reference keeps it), then
    the down projection times the routing weight, one row per pair in x's dtype (the reference
    rounds each expert's output to x's dtype too, before weighting).
+   FP8 experts (float8_e4m3fn stacks, one float32 scale per expert; ``fused_moe_ref`` with scales): each
+   weight tile is loaded as bytes and widened to x's dtype in registers (exact: every e4m3 value is
+   a bf16, fp16 and fp32 value), the tensor-core product accumulates in fp32, and the block's
+   expert scale multiplies the sums once, before the epilogue (every row of a block has the same
+   expert). At decode sizes the kernel streams weights, so its time should follow their bytes
+   (half of bf16's; not yet measured on a GPU: ``benchmarks/bench_moe.py --fp8``).
 3. ``_sum_topk_kernel`` sums each token's top_k rows in fp32 in a fixed order and adds the shared
    expert's output. Writing (T * top_k, W) and reducing costs a pass over that buffer (2 bytes an
    element in bf16) but, unlike fp32 atomics into the output, gives the same bits on every run.
@@ -23,17 +29,18 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from replayserve.ops.moe import check_expert_scales
 from replayserve.ops.moe_route_triton import align_by_expert
 
 
 # The step's pair count only masks gathered rows: not specialised on (== 1, divisible by 16), which
-# would compile variants mid-serving.
-@triton.jit(do_not_specialize=["num_pairs"])
+# would compile variants mid-serving; nor the last scale's index (E or E - 1 by the step's folding).
+@triton.jit(do_not_specialize=["num_pairs", "last_scale"])
 def _grouped_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
-    num_pairs, n_out, k_in, pairs_per_row,
+    a_ptr, w_ptr, w_scale_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+    num_pairs, n_out, k_in, pairs_per_row, last_scale,
     s_a_r, s_a_k, s_w_e, s_w_n, s_w_k, s_o_p, s_o_n,
-    RELU2: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr,
+    RELU2: tl.constexpr, WEIGHTED: tl.constexpr, W_SCALED: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -52,9 +59,11 @@ def _grouped_gemm_kernel(
         in_k = offs_k < k_in - k0
         a = tl.load(a_ptrs, mask=live[:, None] & in_k[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=in_k[:, None] & (offs_n[None, :] < n_out), other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        acc = tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)  # FP8 widened exactly; else a no-op
         a_ptrs += BLOCK_K * s_a_k
         w_ptrs += BLOCK_K * s_w_k
+    if W_SCALED:  # experts past the last scale are the folded shared expert's pieces: one stored scale
+        acc = acc * tl.load(w_scale_ptr + tl.minimum(expert, last_scale)).to(tl.float32)
     if RELU2:
         acc = tl.maximum(acc, 0.0)
         acc = acc * acc
@@ -92,13 +101,16 @@ class GemmConfig:
     num_stages: int = 3
 
 
-def default_config(num_pairs: int, num_experts: int) -> GemmConfig:
+def default_config(num_pairs: int, num_experts: int, weight_bytes: int = 2) -> GemmConfig:
     """Tiles by the mean pairs per expert: decode reads weights (narrow rows, deep K steps), prefill
     is compute bound (wide tiles, more warps). Untuned guesses: `benchmarks/bench_moe.py --sweep`
-    measures the alternatives on the card."""
+    measures the alternatives on the card. `weight_bytes`: 1 for FP8 experts, whose decode tiles
+    take K steps twice as deep: half the steps of a 16-bit expert, each reading the same 256 bytes
+    of a weight column, so the kernel gains whether a decode call is bound by bytes or by its
+    chain of steps (not yet swept on a GPU: `bench_moe.py --fp8 --sweep`)."""
     mean = num_pairs / num_experts
     if mean <= 16:
-        return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
+        return GemmConfig(block_m=16, block_n=64, block_k=256 // weight_bytes, num_warps=4, num_stages=4)
     if mean <= 64:
         return GemmConfig(block_m=32 if mean <= 32 else 64, block_n=64, block_k=64, num_warps=4, num_stages=4)
     # H200 sweep, Nano's shape at 2048 tokens (96 pairs an expert): 1065 us against 1185 us for
@@ -108,13 +120,15 @@ def default_config(num_pairs: int, num_experts: int) -> GemmConfig:
 
 def fused_moe_triton(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weights: Tensor,
                      add: Tensor | None = None, config: GemmConfig | None = None,
-                     aligned: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
-    """``fused_moe_ref`` on the GPU, rounded to x's dtype, plus ``add`` (the shared expert).
+                     aligned: tuple[Tensor, Tensor, Tensor] | None = None,
+                     scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """``fused_moe_ref`` on the GPU, rounded to x's dtype, plus ``add`` (the shared expert); with
+    ``scales``, its FP8 form (FP8 weights, dequantized in the kernel).
 
     Arguments:
         x: (T, W) fp32, bf16 or fp16, rows may be strided.
-        w_up: (E, I, W) in x's dtype, any strides.
-        w_down: (E, W, I) in x's dtype.
+        w_up: (E, I, W) in x's dtype, or float8_e4m3fn with ``scales``; any strides.
+        w_down: (E, W, I) likewise.
         ids: (T, top_k) integer expert ids.
         weights: (T, top_k) routing weights.
         add: optional (T, W) added after the routed sum is rounded to x's dtype, as the reference's
@@ -122,6 +136,9 @@ def fused_moe_triton(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weigh
         config: the GEMMs' tiles; by default ``default_config`` of the shapes.
         aligned: ``align_by_expert(ids, E, config.block_m)`` when the caller has it (the decode
             router makes it in its routing kernel).
+        scales: (up, down) per-expert weight scales of FP8 stacks, each (E_s,) float32 on x's
+            device with 1 <= E_s <= E: expert e is scaled by scale[min(e, E_s - 1)] (``expert_scale``).
+            Read on the device: no host sync.
 
     Returns:
         (T, W) contiguous in x.dtype.
@@ -131,27 +148,30 @@ def fused_moe_triton(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weigh
     top_k = ids.shape[1]
     if w_up.shape[2] != width or w_down.shape != (num_experts, width, inner):
         raise ValueError(f"w_up {tuple(w_up.shape)} / w_down {tuple(w_down.shape)} do not fit x of width {width}")
+    check_expert_scales(w_up, w_down, scales)
     out = torch.empty(num_tokens, width, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
     num_pairs = num_tokens * top_k
     if aligned is not None and config is None:
         raise ValueError("aligned blocks come with the config whose block_m they were made for")
-    cfg = config or default_config(num_pairs, num_experts)
+    cfg = config or default_config(num_pairs, num_experts, w_up.element_size())
     sorted_pairs, block_expert, num_padded = aligned or align_by_expert(ids, num_experts, cfg.block_m)
     weights = weights.reshape(-1).contiguous()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models: no TF32 rounding, as PyTorch's
-    common = dict(PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    common = dict(W_SCALED=scales is not None, PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                  BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    up_scale, down_scale = scales or (None, None)
+    last_scale = 0 if scales is None else up_scale.numel() - 1
     inter = torch.empty(num_pairs, inner, dtype=x.dtype, device=x.device)
     _grouped_gemm_kernel[(block_expert.numel(), triton.cdiv(inner, cfg.block_n))](
-        x, w_up, inter, weights, sorted_pairs, block_expert, num_padded, num_pairs, inner, width, top_k,
-        *x.stride(), *w_up.stride(), *inter.stride(), RELU2=True, WEIGHTED=False, **common,
+        x, w_up, up_scale, inter, weights, sorted_pairs, block_expert, num_padded, num_pairs, inner, width, top_k,
+        last_scale, *x.stride(), *w_up.stride(), *inter.stride(), RELU2=True, WEIGHTED=False, **common,
     )
     per_pair = torch.empty(num_pairs, width, dtype=x.dtype, device=x.device)
     _grouped_gemm_kernel[(block_expert.numel(), triton.cdiv(width, cfg.block_n))](
-        inter, w_down, per_pair, weights, sorted_pairs, block_expert, num_padded, num_pairs, width, inner, 1,
-        *inter.stride(), *w_down.stride(), *per_pair.stride(), RELU2=False, WEIGHTED=True, **common,
+        inter, w_down, down_scale, per_pair, weights, sorted_pairs, block_expert, num_padded, num_pairs, width, inner,
+        1, last_scale, *inter.stride(), *w_down.stride(), *per_pair.stride(), RELU2=False, WEIGHTED=True, **common,
     )
     if add is not None and (add.shape != out.shape or add.stride(1) != 1):
         raise ValueError(f"add must be ({num_tokens}, {width}) with unit column stride, got {tuple(add.shape)}")

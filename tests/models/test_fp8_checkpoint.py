@@ -1,11 +1,13 @@
 """The checkpoint NVIDIA ModelOpt 0.47.0 exported (fixtures/modelopt_fp8) loads and runs on the
-CPU (the reference path): FP8 weights stay float8 with their scales, the excluded modules and the
-MoE experts are 16-bit, the logits are those of the same weights dequantized into a float32 model,
+CPU (the reference path): FP8 weights stay float8 with their scales, MoE experts included (stacked
+with their per-expert scales), the excluded modules are 16-bit, the logits are those of the same
+weights dequantized into a float32 model (on the kernels' path too, in the Triton interpreter),
 every engine mode generates the same greedy tokens, and a broken scale fails at load naming it.
 The greedy agreement with the bf16 model the fixture was made from is printed (run with -s)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -18,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from replayserve import LLM, SamplingParams
 from replayserve.layers.fp8_linear import FP8Linear
 from replayserve.models.loader import CheckpointError, load_model
+from replayserve.ops.dispatch import force_triton
 from replayserve.ops.fp8 import FP8_DTYPE, dequantize_fp8
 
 FIXTURE = Path(__file__).parent / "fixtures" / "modelopt_fp8"
@@ -65,10 +68,13 @@ def dequantized(tmp: Path) -> Path:
     return rewritten(tmp, edit, drop_quantization=True)
 
 
-def last_logprobs(model_dir: Path, count: int = 8) -> torch.Tensor:
-    """(count, VOCAB) log-probabilities of the token after each prompt, float32 on the CPU."""
-    llm = LLM(str(model_dir), dtype="float32", device="cpu", warmup=False)
-    outs = llm.generate(prompts(count), SamplingParams(max_tokens=1, temperature=0, logprobs=VOCAB), use_tqdm=False)
+def last_logprobs(model_dir: Path, count: int = 8, kernels: bool = False) -> torch.Tensor:
+    """(count, VOCAB) log-probabilities of the token after each prompt, float32 on the CPU; with
+    `kernels`, every op on its Triton kernel (in the interpreter)."""
+    with force_triton() if kernels else contextlib.nullcontext():
+        llm = LLM(str(model_dir), dtype="float32", device="cpu", warmup=False)
+        outs = llm.generate(prompts(count), SamplingParams(max_tokens=1, temperature=0, logprobs=VOCAB),
+                            use_tqdm=False)
     rows = torch.empty(count, VOCAB)
     for i, out in enumerate(outs):
         for token, lp in out.outputs[0].logprobs[0].items():
@@ -87,9 +93,16 @@ def test_fp8_weights_stay_float8_with_their_scales_and_the_rest_is_16_bit() -> N
     assert torch.equal(in_proj.input_scale, stored[key + "input_scale"])
     assert not isinstance(model.lm_head, FP8Linear) and model.lm_head.weight.dtype == torch.bfloat16
     assert model.backbone.layers[4].mixer.gate.weight.dtype == torch.float32  # the router: fp32, as in bf16 models
-    expert = "backbone.layers.4.mixer.experts.2.up_proj."
-    want = dequantize_fp8(stored[expert + "weight"], stored[expert + "weight_scale"], torch.bfloat16)
-    assert torch.equal(model.backbone.layers[4].mixer.experts[2].up_proj.weight, want)
+    moe = model.backbone.layers[4].mixer
+    w_up, w_down = moe.stacked_experts()
+    up_scale, down_scale = moe.expert_scales(len(moe.experts) + 1)
+    assert w_up.dtype == w_down.dtype == FP8_DTYPE and moe.num_folded == 1  # the shared expert: the 5th
+    for e, key in enumerate([*(f"experts.{e}." for e in range(4)), "shared_experts."]):
+        for w, scale, proj in ((w_up, up_scale, "up_proj."), (w_down, down_scale, "down_proj.")):
+            name = "backbone.layers.4.mixer." + key + proj
+            assert torch.equal(w[e].view(torch.uint8), stored[name + "weight"].view(torch.uint8)), name
+            assert torch.equal(scale[e], stored[name + "weight_scale"]), name
+    assert isinstance(moe.experts[2].up_proj, FP8Linear) and moe.experts[2].up_proj.input_scale is None
     assert model.backbone.layers[0].mixer.conv1d.weight.dtype == torch.bfloat16
 
 
@@ -98,6 +111,50 @@ def test_without_activation_scales_the_logits_are_the_dequantized_weights_in_flo
     no_input_scales = {n: None for n in load_file(str(FIXTURE / "model.safetensors")) if n.endswith("input_scale")}
     ours = last_logprobs(rewritten(tmp_path / "fp8", no_input_scales))
     torch.testing.assert_close(ours, last_logprobs(dequantized(tmp_path / "ref")), rtol=1e-4, atol=1e-4)
+
+
+def test_on_the_kernels_path_the_logits_are_the_dequantized_weights_in_float32(tmp_path: Path) -> None:
+    """The same comparison with every op on its Triton kernel: the FP8 GEMV, and the fused MoE
+    reading FP8 expert stacks (the shared expert folded in). Without input scales: the interpreter
+    rounds activations to FP8 wrongly (ops/fp8_gemv_triton.py)."""
+    no_input_scales = {n: None for n in load_file(str(FIXTURE / "model.safetensors")) if n.endswith("input_scale")}
+    ours = last_logprobs(rewritten(tmp_path / "fp8", no_input_scales), kernels=True)
+    ref = last_logprobs(dequantized(tmp_path / "ref"))
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def with_16_bit(tmp: Path, modules: list[str], input_scales: bool = True) -> Path:
+    """The fixture with ``modules`` stored as their dequantized float32 weights, excluded by name
+    (and without any input scale unless ``input_scales``)."""
+    stored = load_file(str(FIXTURE / "model.safetensors"))
+    edit: dict[str, torch.Tensor | None] = {n: None for n in stored if n.endswith("input_scale") and not input_scales}
+    for m in modules:
+        edit[f"{m}.weight"] = dequantize_fp8(stored[f"{m}.weight"], stored[f"{m}.weight_scale"])
+        edit[f"{m}.weight_scale"] = edit[f"{m}.input_scale"] = None
+    out = rewritten(tmp, edit)
+    quant = json.loads((out / "hf_quant_config.json").read_text())
+    quant["quantization"]["exclude_modules"] += modules
+    (out / "hf_quant_config.json").write_text(json.dumps(quant))
+    return out
+
+
+def test_a_16_bit_shared_expert_beside_fp8_routed_experts_runs_unfolded(tmp_path: Path) -> None:
+    """It cannot join the FP8 stack: not folded, the logits still the dequantized model's."""
+    shared = [f"backbone.layers.4.mixer.shared_experts.{p}" for p in ("up_proj", "down_proj")]
+    ckpt = with_16_bit(tmp_path / "ckpt", shared, input_scales=False)
+    moe = load_model(ckpt, torch.float32, torch.device("cpu")).backbone.layers[4].mixer
+    assert moe.num_folded == 0 and not isinstance(moe.shared_experts.up_proj, FP8Linear)
+    assert moe.stacked_experts()[0].shape == (4, 16, 32) and moe.expert_scales(4)[0].shape == (4,)
+    ours = last_logprobs(ckpt, kernels=True)
+    torch.testing.assert_close(ours, last_logprobs(dequantized(tmp_path / "ref")), rtol=1e-4, atol=1e-4)
+
+
+def test_routed_experts_half_fp8_are_refused_naming_both_kinds(tmp_path: Path) -> None:
+    ckpt = with_16_bit(tmp_path / "ckpt", ["backbone.layers.4.mixer.experts.2.down_proj"])
+    with pytest.raises(CheckpointError, match=r"quantizes backbone\.layers\.4\.mixer\.experts\.0\.up_proj but not "
+                                              r"backbone\.layers\.4\.mixer\.experts\.2\.down_proj"):
+        load_model(ckpt, torch.float32, torch.device("cpu"))
 
 
 def test_with_static_activation_scales_the_logits_stay_near_the_dequantized_model(tmp_path: Path) -> None:
@@ -147,7 +204,14 @@ def test_every_engine_mode_generates_the_baselines_tokens(options: dict) -> None
     ("backbone.layers.2.mixer.up_proj.input_scale", None),
     ("backbone.layers.1.mixer.v_proj.v_scale", None),
     ("backbone.layers.0.mixer.in_proj.weight_scale", torch.tensor(-1.0)),
-], ids=["scale-shape", "missing-weight-scale", "missing-input-scale", "missing-kv-scale", "negative-scale"])
+    ("backbone.layers.4.mixer.experts.2.up_proj.weight_scale", torch.ones(2)),
+    ("backbone.layers.4.mixer.experts.1.down_proj.weight_scale", None),
+    ("backbone.layers.4.mixer.shared_experts.down_proj.weight_scale", torch.ones(1, 2)),
+    ("backbone.layers.4.mixer.experts.3.up_proj.input_scale", None),
+    ("backbone.layers.4.mixer.experts.0.down_proj.weight_scale", torch.tensor(float("nan"))),
+], ids=["scale-shape", "missing-weight-scale", "missing-input-scale", "missing-kv-scale", "negative-scale",
+        "expert-scale-shape", "missing-expert-scale", "shared-expert-scale-shape", "missing-expert-input-scale",
+        "nan-expert-scale"])
 def test_a_broken_scale_fails_at_load_naming_the_tensor(tmp_path: Path, name: str, bad: torch.Tensor | None) -> None:
     with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
         load_model(rewritten(tmp_path / "ckpt", {name: bad}), torch.float32, torch.device("cpu"))
