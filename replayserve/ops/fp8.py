@@ -17,8 +17,12 @@ from torch import Tensor
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0: e4m3fn has no infinities; its largest finite value
-# Rows of x one FP8 GEMV launch takes (fp8_gemv_triton); a larger batch goes to fp8_scaled_mm.
+# Rows of x one FP8 GEMV launch takes (fp8_gemv_triton).
 FP8_GEMV_MAX_ROWS = 8
+# Rows fp8_linear sends to the GEMV; more go to fp8_scaled_mm. On the H100 (bench_fp8_gemv.py,
+# 2026-12-07) the GEMV wins at one row (35-39 us against _scaled_mm's 42-46 on the 8B shape's
+# projections) but takes 3-6x _scaled_mm's time at 4 and 8 rows.
+FP8_GEMV_DISPATCH_ROWS = 1
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -41,6 +45,16 @@ def quantize_fp8(x: Tensor, scale: Tensor) -> Tensor:
     wide = _wide(x.dtype)
     scaled = x.to(wide) / scale.to(wide).reshape(())
     return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def quantize_fp8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Dynamic per-row (per-token) quantization: each row of the (M, K) ``x`` with its own
+    ``amax / 448`` (1.0 for an all-zero row). Returns ((M, K) float8_e4m3fn, (M, 1) float32 scales);
+    row m stands for ``q[m] * scale[m]``. The reference of ``fp8_quant_triton``'s dynamic path."""
+    wide = _wide(x.dtype)
+    amax = x.detach().to(wide).abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).to(torch.float32)
+    return (x.to(wide) / scale.to(wide)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 def dequantize_fp8(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:

@@ -1,14 +1,16 @@
-"""FP8 x FP8 GEMM through ``torch._scaled_mm`` (cuBLASLt on Hopper): the prefill and large-batch
-path of an FP8 Linear. The activations are quantized to FP8 with the checkpoint's static
-``input_scale`` (or, without one, a dynamic per-tensor scale computed on the device), multiplied by
-the FP8 weight with both scales applied in the epilogue, and written in 16-bit.
+"""FP8 x FP8 GEMM through ``torch._scaled_mm`` (cuBLASLt / CUTLASS on Hopper): the prefill and
+large-batch path of an FP8 Linear. The activations are quantized to FP8 with the checkpoint's static
+``input_scale`` (per-tensor scaling), or, without one, with a dynamic scale per row (row-wise
+scaling: each token's own ``amax / 448``, as vLLM's dynamic FP8 does), multiplied by the FP8 weight
+with the scales applied in the epilogue, and written in 16-bit. On CUDA the quantization is one
+Triton launch (``fp8_quant_triton``); elsewhere the plain-PyTorch references.
 
-``torch._scaled_mm`` (torch 2.13) asks, on CUDA: ``mat1`` (M, K) row-major and ``mat2`` (K, N)
-column-major, both float8; K and N multiples of 16 (M is free); per-tensor scales as one-element
-float32 tensors on the device; a bias in the output dtype (bf16 or fp16). A checkpoint's weight is
-(N, K) row-major, so ``weight.t()`` is the column-major ``mat2`` with no copy. Shapes it refuses go
-to the dequantizing path (``scaled_mm_fits`` says which). Nothing here reads a tensor back to the
-host, so a CUDA graph can capture it.
+``torch._scaled_mm`` (torch 2.13) asks: ``mat1`` (M, K) row-major and ``mat2`` (K, N) column-major,
+both float8; K and N multiples of 16 (M is free); per-tensor scales as one-element float32 tensors,
+or row-wise ones as (M, 1) and (1, N) float32 (bf16 output on CUDA); a bias in the output dtype. A
+checkpoint's weight is (N, K) row-major, so ``weight.t()`` is the column-major ``mat2`` with no copy.
+Shapes it refuses go to the dequantizing path (``scaled_mm_fits`` says which). Nothing here reads a
+tensor back to the host, so a CUDA graph can capture it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from replayserve.ops.fp8 import FP8_DTYPE, fp8_scale, quantize_fp8
+from replayserve.ops.dispatch import use_triton
+from replayserve.ops.fp8 import FP8_DTYPE, fp8_scale, quantize_fp8, quantize_fp8_rows
 
 SCALED_MM_MULTIPLE = 16  # cuBLASLt's FP8 GEMMs need K and N in multiples of 16
 
@@ -31,14 +34,16 @@ def scaled_mm_fits(weight: Tensor) -> bool:
 
 def fp8_scaled_mm(x: Tensor, weight: Tensor, weight_scale: Tensor, input_scale: Tensor | None = None,
                   bias: Tensor | None = None, out_dtype: torch.dtype | None = None) -> Tensor:
-    """``fp8_linear_ref(x, weight, weight_scale, s, bias)`` with ``s = input_scale``, or the
-    dynamic ``fp8_scale(x)`` when it is None, as one FP8 GEMM.
+    """``fp8_linear_ref(x, weight, weight_scale, input_scale, bias)`` as one FP8 GEMM; without an
+    ``input_scale``, the activations are quantized per row (``quantize_fp8_rows``), or per tensor
+    (``fp8_scale``) for a CUDA output other than bf16 (CUDA's row-wise scaling writes bf16 only).
 
     Arguments:
         x: (..., K) bf16, fp16 or fp32 activations.
         weight: (N, K) float8_e4m3fn, row-major; ``scaled_mm_fits(weight)`` must hold.
         weight_scale, input_scale: one-element float32 per-tensor scales on x's device.
-        bias: (N,) or None; added in the epilogue in ``out_dtype`` (fp32 outputs add it after).
+        bias: (N,) or None; added in the epilogue in ``out_dtype`` (fp32 outputs, and row-wise
+            scaling, add it after).
         out_dtype: the result's dtype; x.dtype when None.
 
     Returns:
@@ -54,11 +59,29 @@ def fp8_scaled_mm(x: Tensor, weight: Tensor, weight_scale: Tensor, input_scale: 
                          "do not match")
     out_dtype = out_dtype or x.dtype
     rows = x.reshape(-1, k)
-    scale_a = (fp8_scale(rows) if input_scale is None else input_scale).to(torch.float32).reshape(())
+    row_wise = input_scale is None and (out_dtype == torch.bfloat16 or not x.is_cuda)
     scale_b = weight_scale.to(torch.float32).reshape(())
-    epilogue_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
-    y = torch._scaled_mm(quantize_fp8(rows, scale_a).contiguous(), weight.t(), scale_a=scale_a, scale_b=scale_b,
+    if row_wise:
+        q, scale_a = _quantize(rows, None)
+        scale_b = scale_b.reshape(1, 1).expand(1, n).contiguous()
+    else:
+        q, scale_a = _quantize(rows, fp8_scale(rows) if input_scale is None else input_scale)
+    epilogue_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16) and not row_wise
+    y = torch._scaled_mm(q, weight.t(), scale_a=scale_a, scale_b=scale_b,
                          bias=bias.to(out_dtype) if epilogue_bias else None, out_dtype=out_dtype)
     if bias is not None and not epilogue_bias:
         y = y + bias.to(out_dtype)
     return y.reshape(*x.shape[:-1], n)
+
+
+def _quantize(rows: Tensor, input_scale: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(FP8 codes, scale_a) of the (M, K) activations: the Triton launch where kernels serve, else the
+    references. A static scale comes back as a 0-dim float32 tensor, dynamic ones as (M, 1)."""
+    if use_triton(rows) and rows.is_cuda:
+        from replayserve.ops.fp8_quant_triton import quantize_fp8_triton
+
+        return quantize_fp8_triton(rows, input_scale)
+    if input_scale is None:
+        return quantize_fp8_rows(rows)
+    scale = input_scale.to(torch.float32).reshape(())
+    return quantize_fp8(rows, scale).contiguous(), scale

@@ -58,10 +58,17 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, xs_ptr, b_ptr, y_ptr, M, N, K, s_xm, 
 
 
 def fp8_gemv_tiles(rows: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for ``rows`` rows of x and a K-column weight. One row
-    takes the bf16 GEMV's tiles (``gemv_tiles``: the same W tile is half the bytes in FP8); more rows
-    keep the accumulator's size (BLOCK_M * BLOCK_N * BLOCK_K) by narrowing BLOCK_K. Not yet swept
-    on a GPU for FP8."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for ``rows`` rows of x and a K-column weight.
+
+    One row: from an H100 sweep of 144 tilings (``python benchmarks/bench_fp8_gemv.py --sweep``, in a CUDA
+    graph, weights cycled beyond L2; 2026-12-07), microseconds with the bf16 GEMV's tiles this replaced ->
+    these: Nemotron-H-8B in_proj 4096x18560 50.9 -> 34.5, up 4096x21504 58.7 -> 39.4, down 21504x4096 50.5 ->
+    39.3; Nemotron-3-Nano LM head 2688x131072 236 -> 149 (the best, 16 x 256, 142), in_proj 2688x10304 22.9 ->
+    best 16.7 with 8-row tiles of 256 or 1024 columns. An FP8 tile is half a bf16 tile's bytes, so it takes more
+    rows (8) of the weight per program. More rows keep the accumulator's size by narrowing BLOCK_K (unswept:
+    ``fp8_linear`` sends them to ``_scaled_mm``)."""
+    if rows == 1:
+        return (1, 8, 1024, 4) if k >= 4096 else (1, 8, 512, 2)
     block_m = triton.next_power_of_2(rows)
     block_n, block_k, warps = gemv_tiles(k)
     return block_m, block_n, max(block_k // block_m, 64), warps

@@ -3,7 +3,7 @@
 A ModelOpt FP8 Linear (float8_e4m3fn weight, per-tensor ``weight_scale``, optional static
 ``input_scale``) runs, where the kernels serve (``dispatch.use_triton``: CUDA, 16/32-bit x):
 
-- up to ``FP8_GEMV_MAX_ROWS`` rows (decode): ``fp8_gemv_triton``, which reads the weight once;
+- up to ``FP8_GEMV_DISPATCH_ROWS`` rows (a decode step at batch 1): ``fp8_gemv_triton``;
 - more rows, when cuBLASLt takes the weight (``scaled_mm_fits``: N and K multiples of 16) and x
   is on CUDA: ``fp8_scaled_mm`` (``torch._scaled_mm``);
 - everything else (the CPU, float64, odd shapes): ``fp8_linear_ref``, which dequantizes.
@@ -17,7 +17,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from replayserve.ops.dispatch import use_triton
-from replayserve.ops.fp8 import FP8_GEMV_MAX_ROWS, fp8_linear_ref
+from replayserve.ops.fp8 import FP8_GEMV_DISPATCH_ROWS, fp8_linear_ref
 from replayserve.ops.fp8_gemm import fp8_scaled_mm, scaled_mm_fits
 
 
@@ -31,7 +31,7 @@ def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, input_scale: Ten
     """
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if use_triton(x) and 1 <= rows <= FP8_GEMV_MAX_ROWS:
+    if use_triton(x) and 1 <= rows <= FP8_GEMV_DISPATCH_ROWS:
         from replayserve.ops.fp8_gemv_triton import fp8_gemv_triton
 
         y = fp8_gemv_triton(x.reshape(rows, k), weight, weight_scale, input_scale, bias)

@@ -1,13 +1,20 @@
-"""fp8_scaled_mm (torch._scaled_mm) against fp8_linear_ref in float64: static and dynamic input
-scales, bias in and after the epilogue, leading batch dimensions; on the CPU (torch 2.13 runs
-_scaled_mm there too) and on a GPU when there is one."""
+"""fp8_scaled_mm (torch._scaled_mm) against fp8_linear_ref in float64: static input scales, and dynamic ones per
+row (row-wise scaling; per tensor for a CUDA output other than bf16), bias in and after the epilogue, leading
+batch dimensions; on the CPU (torch 2.13 runs _scaled_mm there too) and on a GPU when there is one."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from replayserve.ops.fp8 import FP8_DTYPE, fp8_linear_ref, fp8_scale, quantize_fp8_per_tensor
+from replayserve.ops.fp8 import (
+    FP8_DTYPE,
+    dequantize_fp8,
+    fp8_linear_ref,
+    fp8_scale,
+    quantize_fp8_per_tensor,
+    quantize_fp8_rows,
+)
 from replayserve.ops.fp8_gemm import fp8_scaled_mm, scaled_mm_fits
 
 CUDA = torch.cuda.is_available()
@@ -19,6 +26,17 @@ F64 = torch.float64
 TOL = {torch.bfloat16: 8e-3, torch.float16: 1e-3, torch.float32: 1e-3 if CUDA else 1e-5}
 
 
+def dynamic_ref(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, b: torch.Tensor | None,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """What the GEMM path computes without an input scale, in float64: each row through FP8 with its
+    own scale where the output allows row-wise scaling, else ``fp8_linear_ref`` with a per-tensor one."""
+    if CUDA and out_dtype != torch.bfloat16:
+        return fp8_linear_ref(x.double(), w_q, w_s, fp8_scale(x), None if b is None else b.double())
+    q, s = quantize_fp8_rows(x.reshape(-1, x.shape[-1]))
+    y = (q.double() * s.double()) @ dequantize_fp8(w_q, w_s, F64).t()
+    return (y if b is None else y + b.double()).reshape(*x.shape[:-1], -1)
+
+
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double().cpu() - want).abs().max() / want.abs().max()).item()
 
@@ -28,15 +46,16 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("bias", [True, False])
 def test_scaled_mm_matches_the_reference(out_dtype: torch.dtype, static: bool, bias: bool) -> None:
     gen = torch.Generator().manual_seed(int(static) + 2 * int(bias))
-    x = torch.randn(2, 5, 256, generator=gen).to(out_dtype)  # M = 10 rows: not a multiple of 16
+    # M = 10 rows (not a multiple of 16) of magnitudes 0.01 to 10: a per-tensor scale would crush the small rows
+    x = (torch.randn(2, 5, 256, generator=gen) * torch.logspace(-2, 1, 5)[:, None]).to(out_dtype)
     w_q, w_s = quantize_fp8_per_tensor(torch.randn(96, 256, generator=gen) / 16)
     x_scale = fp8_scale(x) * 0.75 if static else None  # static: below amax / 448, so the largest inputs saturate
     b = torch.randn(96, generator=gen).to(out_dtype) if bias else None
     got = fp8_scaled_mm(x.to(DEVICE), w_q.to(DEVICE), w_s.to(DEVICE), None if x_scale is None else x_scale.to(DEVICE),
                         None if b is None else b.to(DEVICE))
     assert got.shape == (2, 5, 96) and got.dtype == out_dtype
-    want = fp8_linear_ref(x.double(), w_q, w_s, fp8_scale(x) if x_scale is None else x_scale,
-                          None if b is None else b.double())
+    want = (dynamic_ref(x, w_q, w_s, b, out_dtype) if x_scale is None
+            else fp8_linear_ref(x.double(), w_q, w_s, x_scale, None if b is None else b.double()))
     assert rel_err(got, want) < TOL[out_dtype]
 
 

@@ -12,6 +12,7 @@ import torch
 
 from replayserve.ops.fp8 import FP8_DTYPE, fp8_linear_ref, fp8_scale, quantize_fp8, quantize_fp8_per_tensor
 from replayserve.ops.fp8_gemv_triton import FP8_GEMV_MAX_ROWS, fp8_gemv_tiles, fp8_gemv_triton
+from replayserve.ops.gemv_triton import gemv_tiles
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -83,12 +84,12 @@ def test_fp8_gemv_rounds_random_activations_like_the_reference(dtype: torch.dtyp
     assert rel_err(got, want) < TOL[dtype] + 1e-3
 
 
-def test_fp8_gemv_tiles_keep_the_accumulator_size() -> None:
-    one = fp8_gemv_tiles(1, 5000)
-    assert one[0] == 1 and one[2] == 1024
-    for rows in range(1, FP8_GEMV_MAX_ROWS + 1):
-        block_m, block_n, block_k, _ = fp8_gemv_tiles(rows, 5000)
-        assert block_m >= rows and block_m * block_n * block_k == one[0] * one[1] * one[2]
+def test_fp8_gemv_tiles_cover_the_rows_and_keep_the_accumulator_size() -> None:
+    assert fp8_gemv_tiles(1, 5000) == (1, 8, 1024, 4) and fp8_gemv_tiles(1, 2688) == (1, 8, 512, 2)  # the swept picks
+    block_n, block_k, _ = gemv_tiles(5000)
+    for rows in range(2, FP8_GEMV_MAX_ROWS + 1):
+        block_m, bn, bk, _ = fp8_gemv_tiles(rows, 5000)
+        assert block_m >= rows and bn == block_n and block_m * bk == block_k
 
 
 def test_fp8_gemv_rejects_what_it_does_not_take() -> None:

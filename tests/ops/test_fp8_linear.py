@@ -1,6 +1,6 @@
 """fp8_linear (the FP8 Linear's entry point) picks the path the shapes call for and each path
 computes fp8_linear_ref. On the CPU: the reference without force_triton; the Triton GEMV (in the
-interpreter, fp32, no input scale: see ops/fp8_gemv_triton.py) for up to FP8_GEMV_MAX_ROWS rows
+interpreter, fp32, no input scale: see ops/fp8_gemv_triton.py) for up to FP8_GEMV_DISPATCH_ROWS rows
 under it; more rows stay on the reference (``_scaled_mm`` runs on CUDA only). On a GPU the GEMM
 path is checked as well."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from replayserve.ops.dispatch import force_triton
-from replayserve.ops.fp8 import FP8_GEMV_MAX_ROWS, fp8_linear_ref, fp8_scale, quantize_fp8_per_tensor
+from replayserve.ops.fp8 import FP8_GEMV_DISPATCH_ROWS, fp8_linear_ref, fp8_scale, quantize_fp8_per_tensor
 from replayserve.ops.fp8_linear import fp8_linear
 
 CUDA = torch.cuda.is_available()
@@ -33,7 +33,7 @@ def test_the_cpu_path_is_the_reference(static: bool) -> None:
     torch.testing.assert_close(got[0], fp8_linear_ref(x, weight, weight_scale, input_scale, bias), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("rows", [1, FP8_GEMV_MAX_ROWS, FP8_GEMV_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, FP8_GEMV_DISPATCH_ROWS + 1, 9])
 def test_under_the_kernels_decode_rows_take_the_gemv_and_larger_batches_a_path_that_serves(rows: int) -> None:
     # The kernels' device: the GPU where there is one (the interpreter runs CPU tensors only without it).
     x, weight, weight_scale, bias = operands(rows, 20, 48, torch.float32, "cuda" if CUDA else "cpu")
@@ -42,7 +42,7 @@ def test_under_the_kernels_decode_rows_take_the_gemv_and_larger_batches_a_path_t
         got = fp8_linear(x, weight, weight_scale, None, bias)
     # fp32 sums on both paths; on a GPU, rows past the GEMV take _scaled_mm, whose FP8 tensor cores
     # accumulate with fewer bits (tests/ops/test_fp8_gemm.py).
-    tol = 1e-3 if CUDA and rows > FP8_GEMV_MAX_ROWS else 1e-5
+    tol = 1e-3 if CUDA and rows > FP8_GEMV_DISPATCH_ROWS else 1e-5
     torch.testing.assert_close(got.double().cpu(), want, rtol=tol, atol=tol)
 
 
