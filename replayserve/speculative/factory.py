@@ -35,7 +35,8 @@ def make_proposer(engine: EngineConfig, model: nn.Module, hidden_store: HiddenSt
         if hidden_store is None:
             raise ValueError("speculative method 'mtp' needs the store its runner records hidden states in "
                              "(hidden_store_for)")
-        return MTPProposer(model, hidden_store, config.mtp_window)
+        return MTPProposer(model, hidden_store, config.mtp_window, max_rows=engine.max_num_seqs,
+                           max_drafts=config.num_speculative_tokens)
     if config.method == "custom":
         return config.proposer
     raise ValueError(f"speculative method {config.method!r} has no proposer")  # rejected by the config
