@@ -16,9 +16,10 @@ import torch
 from replayserve.builtin.tiny import make_tiny
 from replayserve.llm import LLM
 from replayserve.models.loader import load_model
+from replayserve.speculative.controlled import ControlledMTPProposer
 from replayserve.speculative.mtp import HiddenStore, MTPProposer
 from replayserve.speculative.mtp_cache import CacheRows
-from replayserve.speculative.proposers import DraftRequest, Proposer
+from replayserve.speculative.proposers import DraftRequest
 from tests.engine.test_prefix_cache import _llm, _workload
 from tests.models.test_qwen_mtp import make_qwen_mtp
 
@@ -143,38 +144,35 @@ def test_cache_rows_follow_rewrites_windows_and_rollbacks() -> None:
     assert rows.plan("c", 0, 3, 0) == (0, 0, 0)
 
 
-class _Checked(Proposer):
-    """The engine's MTP proposer, its drafts checked against the recompute at every call."""
-
-    def __init__(self, mtp: MTPProposer) -> None:
-        self.mtp, self.calls = mtp, 0
-
-    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
-        return []
-
-    def propose_batch(self, requests: Sequence[DraftRequest]) -> dict[str, tuple[int, ...]]:
-        want = {r.request_id: tuple(self.mtp.propose_request(*r)) for r in requests}
-        got = self.mtp.propose_batch(requests)
-        assert got == want
-        self.calls += 1
-        return got
-
-
 @pytest.mark.parametrize("backend", ["baseline", "replay"])
 def test_engine_drafts_equal_the_recompute_with_preemption_and_hits(tmp_path: Path, backend: str) -> None:
     """The prefix-cache workload on small pools (preemptions, hits, chunked prefills, second
-    turns): every call's cached drafts equal the recompute's, and outputs equal speculation off."""
+    turns), drafts on the greedy path at acceptance 0.6 (`ControlledMTPProposer`, which still
+    runs the MTP layers every step): every call's cached drafts equal the recompute's, and outputs
+    equal speculation off."""
     path = make_tiny(tmp_path, seed=0, layers="M*-ME", num_nextn_predict_layers=1,
                      mtp_layer_types=("full_attention", "moe"))
     small = {"num_kv_blocks": 24, "max_model_len": 96, "num_mamba_cache_slots": 2}
     reference = _workload(_llm(path, **small).engine)
     llm = _llm(path, backend, "all", replay_window=8, **small,
                speculative={"method": "mtp", "num_speculative_tokens": 3, "mtp_window": 12})
-    assert isinstance(llm.engine.proposer, MTPProposer)
-    checked = llm.engine.proposer = _Checked(llm.engine.proposer)
+    mtp = llm.engine.proposer
+    assert isinstance(mtp, MTPProposer)
+    calls = []
+    cached = mtp.propose_batch
+
+    def checked(requests: Sequence[DraftRequest]) -> dict[str, tuple[int, ...]]:
+        want = {r.request_id: tuple(mtp.propose_request(*r)) for r in requests}
+        got = cached(requests)
+        assert got == want
+        calls.append(len(requests))
+        return got
+
+    mtp.propose_batch = checked  # type: ignore[method-assign]
+    llm.engine.proposer = ControlledMTPProposer(mtp, {tuple(p): out for p, out in reference}, 0.6)
     assert _workload(llm.engine) == reference
     metrics = llm.get_metrics()
-    assert checked.calls > 10 and metrics["num_preemptions"] > 0
+    assert len(calls) > 10 and metrics["num_preemptions"] > 0
     assert 0 < metrics["spec_num_accepted_tokens"] < metrics["spec_num_draft_tokens"]
 
 
