@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from replayserve.config import ATTENTION, ModelConfig
+
 
 @dataclass
 class MTPKV:
@@ -40,12 +42,23 @@ class MTPKV:
         return self.keys[0].shape[0] - 1
 
     @classmethod
-    def empty(cls, blocks: int, rows: int, ring: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-              device: torch.device) -> MTPKV:
-        """Zeros (finite: a padding query may read any entry) for `blocks` attention blocks."""
-        def make() -> torch.Tensor:
-            return torch.zeros(rows + 1, ring, num_kv_heads, head_dim, dtype=dtype, device=device)
-        return cls([make() for _ in range(blocks)], [make() for _ in range(blocks)])
+    def empty(cls, cfg: ModelConfig, rows: int, ring: int, dtype: torch.dtype, device: torch.device) -> MTPKV:
+        """Zeros (finite: a padding query may read any entry) for the attention blocks of `cfg`'s MTP
+        stack, `rows` cache rows (and the scratch row) of `ring` positions."""
+        shape = mtp_kv_shape(cfg, rows, ring)
+        blocks = mtp_attention_blocks(cfg)
+        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(blocks)],
+                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(blocks)])
+
+
+def mtp_attention_blocks(cfg: ModelConfig) -> int:
+    """How many attention blocks the MTP stack has: the cache keeps keys and values for each."""
+    return sum(t == ATTENTION for t in cfg.mtp_layer_types)
+
+
+def mtp_kv_shape(cfg: ModelConfig, rows: int, ring: int) -> tuple[int, int, int, int]:
+    """One block's keys (or values): (rows + 1, ring, Hkv, Dh); `cache/memory.py` counts the same."""
+    return rows + 1, ring, cfg.num_key_value_heads, cfg.head_dim
 
 
 @dataclass

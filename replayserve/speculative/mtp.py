@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from replayserve.config import ATTENTION
 from replayserve.models.mtp_kv import MTPKV, MTPCall
 from replayserve.speculative.mtp_cache import CacheRows
 from replayserve.speculative.mtp_drafts import greedy_drafts
@@ -86,8 +85,7 @@ class MTPProposer(Proposer):
         self.draft_graphs, self.max_drafts = draft_graphs, max_drafts
         cfg, weight = model.config, model.backbone.embeddings.weight
         ring = window + max_drafts
-        self.kv = MTPKV.empty(sum(t == ATTENTION for t in cfg.mtp_layer_types), max_rows, ring,
-                              cfg.num_key_value_heads, cfg.head_dim, weight.dtype, weight.device)
+        self.kv = MTPKV.empty(cfg, max_rows, ring, weight.dtype, weight.device)
         self.rows = CacheRows(max_rows, ring, window)
 
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:

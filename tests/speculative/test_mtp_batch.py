@@ -63,12 +63,12 @@ def test_forward_cached_extends_like_a_forward_over_the_longer_row(tmp_path: Pat
     """Positions run in two calls against the cache (the second a left-padded batch whose rows
     start at different positions, in cache rows other than 0) give the last row of `forward` over
     the whole row; padding writes never reach a real row."""
-    mtp = _model(tmp_path, ("full_attention", "full_attention")).mtp
+    model = _model(tmp_path, ("full_attention", "full_attention"))
+    mtp = model.mtp
     gen = torch.Generator().manual_seed(0)
-    width = mtp.layers[0].eh_proj.out_features
+    width = model.config.hidden_size
     embeds, hidden = (torch.randn(2, 10, width, generator=gen, dtype=torch.float64) for _ in range(2))
-    kv = MTPKV.empty(2, 3, 16, mtp.layers[0].mixer.num_kv_heads, mtp.layers[0].mixer.head_dim, torch.float64,
-                     torch.device("cpu"))
+    kv = MTPKV.empty(model.config, 3, 16, torch.float64, torch.device("cpu"))
     # Row 0 holds positions 3..12, row 1 positions 24..29 (its first 4 columns: left padding).
     start = torch.tensor([3, 20])
     lo = start + torch.tensor([0, 4])

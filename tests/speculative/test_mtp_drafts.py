@@ -88,8 +88,7 @@ def test_the_draft_loop_reads_nothing_back_to_the_host(tmp_path: Path) -> None:
     b, w, k = 3, 8, 4
     hidden = torch.empty(b, w, model.config.hidden_size, device="meta")
     ids = torch.empty(b, w, dtype=torch.int64, device="meta")
-    kv = MTPKV.empty(1, 4, 20, model.config.num_key_value_heads, model.config.head_dim, torch.float32,
-                     torch.device("meta"))
+    kv = MTPKV.empty(model.config, 4, 20, torch.float32, torch.device("meta"))
     call = MTPCall(*torch.empty(4, b, dtype=torch.int64, device="meta"))
     drafts = greedy_drafts(model, kv, hidden, ids, call, k)
     assert drafts.shape == (b, k) and drafts.dtype == torch.int64

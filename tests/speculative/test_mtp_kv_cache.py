@@ -7,6 +7,7 @@ engine with small pools too, where greedy outputs stay those of speculation off.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from replayserve.builtin.tiny import make_tiny
+from replayserve.cache.memory import mtp_cache_bytes
 from replayserve.llm import LLM
 from replayserve.models.loader import load_model
 from replayserve.speculative.controlled import ControlledMTPProposer
@@ -176,12 +178,16 @@ def test_engine_drafts_equal_the_recompute_with_preemption_and_hits(tmp_path: Pa
     assert 0 < metrics["spec_num_accepted_tokens"] < metrics["spec_num_draft_tokens"]
 
 
-def test_llm_builds_the_cache_for_its_rows_and_drafts(tmp_path: Path) -> None:
+def test_llm_builds_the_cache_that_sizing_counts(tmp_path: Path) -> None:
+    """The proposer's cache: a ring of mtp_window + k positions for each of max_num_seqs rows (and
+    the scratch row), the bytes `cache/memory.mtp_cache_bytes` takes off the pools' budget."""
     path = make_tiny(tmp_path, seed=0, layers="M*", num_nextn_predict_layers=1,
                      mtp_layer_types=("full_attention", "moe"))
     llm = LLM(model=str(path), dtype="float64", device="cpu", max_num_seqs=3,
               speculative={"method": "mtp", "num_speculative_tokens": 2, "mtp_window": 10})
-    proposer = llm.engine.proposer
+    proposer, config = llm.engine.proposer, llm.engine.config
     assert isinstance(proposer, MTPProposer)
-    assert proposer.kv.keys[0].shape == (3 + 1, 10 + 2, llm.engine.config.model.num_key_value_heads,
-                                         llm.engine.config.model.head_dim)
+    assert proposer.kv.keys[0].shape == (3 + 1, 10 + 2, config.model.num_key_value_heads, config.model.head_dim)
+    held = sum(t.numel() * t.element_size() for t in proposer.kv.keys + proposer.kv.values)
+    assert held == mtp_cache_bytes(config, torch.float64) > 0
+    assert mtp_cache_bytes(dataclasses.replace(config, speculative=None), torch.float64) == 0
