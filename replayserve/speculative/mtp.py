@@ -18,9 +18,14 @@ from replayserve.speculative.proposers import DraftRequest, Proposer
 
 class HiddenStore:
     """Each request's final hidden states (after norm_f) for a contiguous run of its positions,
-    recorded by the runner after every step: the MTP layers' second input."""
+    recorded by the runner after every step: the MTP layers' second input.
 
-    def __init__(self) -> None:
+    keep: the most positions kept per request (the oldest dropped: the MTP attention sees only the
+    last `mtp_window`, and the MTP cache holds what it already ran), so recording a step copies
+    O(keep) rather than the whole context; None: all."""
+
+    def __init__(self, keep: int | None = None) -> None:
+        self.keep = keep
         self.runs: dict[str, tuple[int, torch.Tensor]] = {}
         self.rewrites: dict[str, int] = {}  # request id -> the first position recorded again
 
@@ -36,6 +41,8 @@ class HiddenStore:
         if run is not None and run[0] <= start <= run[0] + run[1].shape[0]:
             hidden = torch.cat([run[1][: start - run[0]], hidden])
             start = run[0]
+        if self.keep is not None and hidden.shape[0] > self.keep:  # a view: the next record copies `keep`
+            start, hidden = start + hidden.shape[0] - self.keep, hidden[-self.keep :]
         self.runs[request_id] = (start, hidden)
 
     def take_rewrite(self, request_id: str) -> int | None:

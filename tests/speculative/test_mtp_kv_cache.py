@@ -81,14 +81,16 @@ class _Stream:
         return [DraftRequest(rid, list(self.tokens[rid]), self._int(1, k + 1)) for rid in rids]
 
 
-@pytest.mark.parametrize("fixed", [False, True])
+@pytest.mark.parametrize(("fixed", "trimmed"), [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize(("family", "blocks", "window"), MODELS)
 def test_cached_drafts_equal_the_recompute_over_many_steps(tmp_path: Path, family: str,
                                                             blocks: tuple[str, ...] | None, window: int,
-                                                            fixed: bool) -> None:
+                                                            fixed: bool, trimmed: bool) -> None:
+    """trimmed: the store keeps what the engine's does (`hidden_store_for`), the last window + k + 1
+    positions of each request."""
     model = _model(tmp_path, family, blocks)
-    store = HiddenStore()
     k = 3
+    store = HiddenStore(keep=window + k + 1 if trimmed else None)
     # Three cache rows for five requests: rows move between requests that take turns.
     proposer = MTPProposer(model, store, window=window, fixed_shapes=fixed, max_rows=3, max_drafts=k)
     stream = _Stream(store, model.config.vocab_size, model.config.hidden_size, seed=len(family) + window)
@@ -191,3 +193,20 @@ def test_llm_builds_the_cache_that_sizing_counts(tmp_path: Path) -> None:
     held = sum(t.numel() * t.element_size() for t in proposer.kv.keys + proposer.kv.values)
     assert held == mtp_cache_bytes(config, torch.float64) > 0
     assert mtp_cache_bytes(dataclasses.replace(config, speculative=None), torch.float64) == 0
+
+
+def test_hidden_store_keeps_the_last_positions_and_marks_rewrites() -> None:
+    states = torch.arange(20, dtype=torch.float64)[:, None]
+    store = HiddenStore(keep=4)
+    store.record("a", 0, states[:10])
+    assert store.take_rewrite("a") == 0  # a fresh run: nothing cached for it holds
+    assert store.runs["a"][0] == 6 and store.runs["a"][1].flatten().tolist() == [6, 7, 8, 9]
+    store.record("a", 10, states[10:12])
+    assert store.take_rewrite("a") is None  # new positions only
+    assert store.runs["a"][0] == 8 and store.runs["a"][1].flatten().tolist() == [8, 9, 10, 11]
+    store.record("a", 9, states[9:11] + 100)  # a recompute from 9, say after a rejected step's rollback
+    store.record("a", 3, states[3:5] + 100)  # before the run: it starts again there
+    assert store.take_rewrite("a") == 3
+    assert store.runs["a"][0] == 3 and store.runs["a"][1].flatten().tolist() == [103, 104]
+    store.forget("a")
+    assert "a" not in store.runs and store.take_rewrite("a") is None
