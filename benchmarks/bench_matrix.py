@@ -24,7 +24,8 @@ included); decode tok/s counts the tokens after every request has its first one 
 phase's time; "vs no-spec" compares with the same backend, mode and wave without speculation.
 MTP ms/step is the proposer's time per step (the device synchronised before it; it ends with its
 own host read) against its floor (`roofline.mtp_ops`: the MTP layers' weights and the LM head
-read once per draft, the window's keys, values and hidden states, at the copy bandwidth measured
+read once per draft, the window's keys and values, the hidden states of the positions new since
+a row's last call (the tokens a row-step keeps: the MTP cache holds the rest), at the copy bandwidth measured
 at the start; "ops" also takes each part's matmul FLOPs at the measured rate). No-spec rows use
 async scheduling unless `--no-async` (speculation refuses it). Every row's outputs are compared
 with the greedy path ("same").
