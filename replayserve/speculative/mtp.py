@@ -143,6 +143,9 @@ class MTPProposer(Proposer):
         against the cache (replayed from `draft_graphs` when set), read back once. Rows run the
         largest room and are cut to their own."""
         drafts: dict[str, tuple[int, ...]] = {r.request_id: () for r in requests}
+        if any(r.room > self.max_drafts for r in requests):
+            raise ValueError(f"MTPProposer drafts at most max_drafts = {self.max_drafts} tokens per row, asked for "
+                             f"{max(r.room for r in requests)}")
         self.rows.release_except(self.store.runs)
         if len(self.rows.free) < sum(r.request_id not in self.rows.rows for r in requests):
             # Requests not drafting now (preempted ones) give their rows up: a recompute refills them anyway.
@@ -157,8 +160,6 @@ class MTPProposer(Proposer):
         if not rows:
             return drafts
         k = max(r.room for r, *_ in rows)
-        if k > self.max_drafts:
-            raise ValueError(f"MTPProposer drafts at most max_drafts = {self.max_drafts} tokens, asked for {k}")
         fixed = (self.draft_graphs is not None or self.fixed_shapes
                  or self.fixed_shapes is None and rows[0][1][1].device.type == "cuda")
         width = self.max_drafts + 1 if fixed else max(b - a + 1 for _, _, a, b, _, _ in rows)

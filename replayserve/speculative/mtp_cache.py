@@ -61,7 +61,9 @@ class CacheRows:
         high = min(high, last)  # the last position always runs: its output starts the drafts
         if lo < low or high < lo:  # the ring lacks some of lo .. high - 1: run them all again
             low = high = lo
-        self.valid[row] = (low, high)
+        # Nothing below lo is read again unless the window moves back, which runs it again: so a
+        # call that stops half-way (an error) leaves no entry it overwrote marked valid.
+        self.valid[row] = (lo, high)
         return RowPlan(row, high, lo)
 
     def commit(self, request_id: str, last: int, drafts: int) -> None:

@@ -193,6 +193,8 @@ def test_llm_builds_the_cache_that_sizing_counts(tmp_path: Path) -> None:
     held = sum(t.numel() * t.element_size() for t in proposer.kv.keys + proposer.kv.values)
     assert held == mtp_cache_bytes(config, torch.float64) > 0
     assert mtp_cache_bytes(dataclasses.replace(config, speculative=None), torch.float64) == 0
+    with pytest.raises(ValueError, match="max_drafts = 2"):  # the ring holds k = 2 drafts' positions
+        proposer.propose_batch([DraftRequest("x", [5, 6, 7], 3)])
 
 
 def test_hidden_store_keeps_the_last_positions_and_marks_rewrites() -> None:
