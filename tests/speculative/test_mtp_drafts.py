@@ -94,3 +94,27 @@ def test_the_draft_loop_reads_nothing_back_to_the_host(tmp_path: Path) -> None:
     assert drafts.shape == (b, k) and drafts.dtype == torch.int64
     with pytest.raises(Exception):  # noqa: B017 - the check itself: a host read on meta raises
         drafts.tolist()
+
+
+@pytest.mark.parametrize("mtp_layers", STACKS)
+def test_padding_rows_change_no_real_row(tmp_path: Path, mtp_layers: tuple[str, ...]) -> None:
+    """What a CUDA graph's bucket does with rows past the call's (`DraftGraphs`): rows with no real
+    position in the scratch row compute finite drafts, and leave the real rows' drafts and every
+    real cache row as they would be without them."""
+    model = _model(tmp_path, mtp_layers, torch.float64)
+    gen = torch.Generator().manual_seed(4)
+    b, t, k, width = 2, 5, 3, model.config.hidden_size
+    hidden = torch.randn(b + 2, t, width, generator=gen, dtype=torch.float64)
+    ids = torch.randint(3, model.config.vocab_size, (b + 2, t), generator=gen)
+    alone, padded = (MTPKV.empty(model.config, 3, 12, torch.float64, torch.device("cpu")) for _ in range(2))
+    for kv in (alone, padded):  # earlier positions of the real rows, cached before
+        for tensor in kv.keys + kv.values:
+            tensor.copy_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64))
+    real = torch.tensor([[20, 4, 12, 1], [7, 5, 0, 2]])  # end, count, lo, cache row
+    pad = torch.tensor([[0, 0, 0, alone.scratch]] * 2)
+    want = greedy_drafts(model, alone, hidden[:b], ids[:b], MTPCall(*real.T), k)
+    got = greedy_drafts(model, padded, hidden, ids, MTPCall(*torch.cat([real, pad]).T), k)
+    assert torch.equal(got[:b], want)
+    for a, p in zip(alone.keys + alone.values, padded.keys + padded.values, strict=True):
+        # The scratch row aside; a batch of other rows rounds the projections differently.
+        torch.testing.assert_close(a[:-1], p[:-1], rtol=0, atol=1e-12)
