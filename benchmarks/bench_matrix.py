@@ -24,7 +24,8 @@ included); decode tok/s counts the tokens after every request has its first one 
 phase's time; "vs no-spec" compares with the same backend, mode and wave without speculation.
 MTP ms/step is the proposer's time per step (the device synchronised before it; it ends with its
 own host read) against its floor (`roofline.mtp_ops`: the MTP layers' weights and the LM head
-read once per draft, the window's keys, values and hidden states, at the copy bandwidth measured
+read once per draft, the window's keys and values, the hidden states of the positions new since
+a row's last call (the tokens a row-step keeps: the MTP cache holds the rest), at the copy bandwidth measured
 at the start; "ops" also takes each part's matmul FLOPs at the measured rate). No-spec rows use
 async scheduling unless `--no-async` (speculation refuses it). Every row's outputs are compared
 with the greedy path ("same").
@@ -221,7 +222,7 @@ def run_config(model: NemotronHForCausalLM, args: argparse.Namespace, backend: s
         if spec:  # after the warm-up, which drafts with proposers of its own
             assert isinstance(engine.proposer, MTPProposer) and paths is not None and acceptance is not None
             if args.mtp_graphs:
-                engine.proposer.draft_graphs = DraftGraphs(model, args.mtp_window, args.batch)
+                engine.proposer.draft_graphs = DraftGraphs(model, engine.proposer.kv, args.k + 1, args.batch)
                 engine.proposer.draft_graphs.capture_all(args.k)
             controlled = ControlledMTPProposer(engine.proposer, paths, acceptance, seed=args.seed + 1)
             engine.proposer = timed = TimedProposer(controlled, engine.runner.device)
@@ -241,7 +242,7 @@ def run_config(model: NemotronHForCausalLM, args: argparse.Namespace, backend: s
                 n = timed.calls - calls
                 row["mtp_ms_per_step"] = 1e3 * (timed.seconds - seconds) / n
                 row["mtp_rows_per_step"] = (timed.rows - rows_drafted) / n
-                row.update(mtp_floor_ms(model, args, row["mtp_rows_per_step"], rates))
+                row.update(mtp_floor_ms(model, args, row["mtp_rows_per_step"], row["tokens_per_row_step"], rates))
             accepted = result["spec_num_accepted_tokens"]
             row["acceptance_per_draft"] = accepted / (accepted + rejections) if accepted + rejections else None
             row["outputs"] = result["outputs"]
@@ -254,12 +255,13 @@ def run_config(model: NemotronHForCausalLM, args: argparse.Namespace, backend: s
             torch.cuda.empty_cache()
 
 
-def mtp_floor_ms(model: NemotronHForCausalLM, args: argparse.Namespace, rows: float,
+def mtp_floor_ms(model: NemotronHForCausalLM, args: argparse.Namespace, rows: float, new: float,
                  rates: dict[str, float]) -> dict[str, float]:
     """The proposer call's floors at the mean rows per step, each row's window full (`mtp_window`
-    positions, or the prompt when shorter)."""
+    positions, or the prompt when shorter) and `new` positions per row new since its last call
+    (the tokens a row-step keeps: what the MTP cache does not hold)."""
     n = max(1, round(rows))
-    ops = mtp_ops(model, n, args.k, [float(min(args.mtp_window, args.prompt_len))] * n)
+    ops = mtp_ops(model, n, args.k, [float(min(args.mtp_window, args.prompt_len))] * n, [new] * n)
     f = floors(ops, rates)
     return {"mtp_floor_bytes_ms": 1e3 * f["bytes_s"], "mtp_floor_ops_ms": 1e3 * f["ops_s"]}
 

@@ -173,28 +173,34 @@ def prefill_flops(model: NemotronHForCausalLM, prompt_lens: list[int]) -> float:
     return linear + cfg.num_attention_layers * 4.0 * cfg.num_attention_heads * cfg.head_dim * attn_pairs
 
 
-def mtp_ops(model: NemotronHForCausalLM, rows: int, drafts: int, window_lens: list[float]) -> list[Op]:
+def mtp_ops(model: NemotronHForCausalLM, rows: int, drafts: int, window_lens: list[float],
+            new_lens: list[float] | None = None) -> list[Op]:
     """What one MTP proposer call (`MTPProposer.propose_batch`) of `rows` rows and `drafts` drafts
-    each must move and compute: the MTP layers' weights (experts those `rows` tokens can route to)
-    and the LM head read once per draft, the rows' recorded hidden states read once, each draft's
-    attention over the keys and values of its row's window (`window_lens`: positions per row)
-    with the new ones written; FLOPs: every MTP projection over the window's positions for the
-    first draft (no cache across calls), over one position per row after it, and the LM head per
-    draft. The embedding rows and activations are left out."""
+    each must move and compute: the MTP layers' weights (the experts the first draft's positions
+    can route to, then those `rows` tokens can) and the LM head read once per draft, the recorded
+    hidden states of the positions the first draft runs (`new_lens`: per row, the positions new
+    since its last call, which the MTP cache does not hold; default: the whole window, as without
+    a cache), each draft's attention over the keys and values of its row's window (`window_lens`:
+    positions per row) with the new ones written; FLOPs: every MTP projection over the first
+    draft's positions, over one position per row after it, and the LM head per draft. The
+    embedding rows and activations are left out."""
     cfg, elem = model.config, model.backbone.embeddings.weight.element_size()
-    touched, per_token = _expert_share(model, rows)
-    positions = sum(window_lens) + rows * (drafts - 1)  # the first draft's windows, then one per row
+    new = window_lens if new_lens is None else new_lens
+    first_share, per_token = _expert_share(model, round(sum(new)))
+    later_share, _ = _expert_share(model, rows)
+    positions = sum(new) + rows * (drafts - 1)  # the first draft's new positions, then one per row
     weights, flops = 0.0, 0.0
     for name, p in model.mtp.named_parameters():
         expert = ".experts." in name
-        weights += p.numel() * p.element_size() * (touched if expert else 1.0)
+        size = p.numel() * p.element_size()
+        weights += size * (first_share + (drafts - 1) * later_share if expert else drafts)
         if p.dim() == 2:
             flops += 2.0 * positions * p.numel() * (per_token if expert else 1.0)
     head = sum(p.numel() * p.element_size() for p in model.lm_head.parameters())
     attention = sum(t == ATTENTION for t in cfg.mtp_layer_types)
     kv_per_position = 2 * cfg.num_key_value_heads * cfg.head_dim * elem * attention
-    kv = kv_per_position * sum(drafts * (n + (drafts + 1) / 2) for n in window_lens)
-    hidden = sum(window_lens) * cfg.hidden_size * elem
-    return [Op("mtp weights", drafts * weights, flops),
+    kv = kv_per_position * (sum(drafts * (n + (drafts + 1) / 2) for n in window_lens) + sum(new))
+    hidden = sum(new) * cfg.hidden_size * elem
+    return [Op("mtp weights", weights, flops),
             Op("lm head", drafts * head, 2.0 * rows * drafts * model.lm_head.weight.numel()),
             Op("mtp kv and hidden", kv + hidden, 0.0)]

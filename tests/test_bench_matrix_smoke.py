@@ -63,7 +63,9 @@ def test_bench_matrix_mtp_rows_alone_follow_an_unreported_reference() -> None:
 
 def test_mtp_floor_counts_the_mtp_weights_and_lm_head_once_per_draft() -> None:
     """A dense MTP step (attention + MLP) of float32 weights: every weight byte once per draft; the
-    keys and values of each window position read by every draft, the drafts' own appended."""
+    keys and values of each window position read by every draft, the drafts' own and the new
+    positions' written; with the MTP cache, the hidden states and projections of the new
+    positions alone."""
     import dataclasses
 
     from roofline import mtp_ops
@@ -78,6 +80,10 @@ def test_mtp_floor_counts_the_mtp_weights_and_lm_head_once_per_draft() -> None:
     assert ops["lm head"].bytes == 3 * 4 * cfg.vocab_size * cfg.hidden_size
     kv_per_position = 2 * cfg.num_key_value_heads * cfg.head_dim * 4
     # draft j (1..3) attends over the window and the j drafts' positions so far: 3 * n + (1 + 2 + 3)
-    assert ops["mtp kv and hidden"].bytes == kv_per_position * (3 * 14 + 2 * 6) + 14 * cfg.hidden_size * 4
+    assert ops["mtp kv and hidden"].bytes == kv_per_position * (3 * 14 + 2 * 6 + 14) + 14 * cfg.hidden_size * 4
     matrices = sum(p.numel() for p in model.mtp.parameters() if p.dim() == 2)
     assert ops["mtp weights"].flops == 2 * (14 + 2 * 2) * matrices  # the windows, then one position per row
+    cached = {op.name: op for op in mtp_ops(model, rows=2, drafts=3, window_lens=[10.0, 4.0], new_lens=[3.0, 1.0])}
+    assert cached["mtp weights"].bytes == 3 * mtp_bytes
+    assert cached["mtp kv and hidden"].bytes == kv_per_position * (3 * 14 + 2 * 6 + 4) + 4 * cfg.hidden_size * 4
+    assert cached["mtp weights"].flops == 2 * (4 + 2 * 2) * matrices

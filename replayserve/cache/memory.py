@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from replayserve.config import ConfigError, EngineConfig
+from replayserve.models.mtp_kv import mtp_attention_blocks, mtp_kv_shape
 from replayserve.models.sharding import local_model_config
 from replayserve.ssm.layout import GatedDeltaLayout, MambaLayout
 
@@ -22,6 +23,16 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 def kv_cache_torch_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
     """The KV cache's dtype for a model in `dtype`: float8_e4m3fn with kv_cache_dtype "fp8", else `dtype`."""
     return torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else dtype
+
+
+def mtp_cache_bytes(config: EngineConfig, dtype: torch.dtype) -> int:
+    """The MTP proposer's cache (`models/mtp_kv.py`): keys and values of `mtp_window + k` positions
+    per running sequence for each attention block of the MTP stack; 0 without MTP speculation."""
+    spec = config.speculative
+    if spec is None or spec.method != "mtp":
+        return 0
+    shape = mtp_kv_shape(config.model, config.max_num_seqs, spec.mtp_window + spec.num_speculative_tokens)
+    return 2 * mtp_attention_blocks(config.model) * _nbytes(shape, dtype)
 
 
 def cache_bytes(config: EngineConfig, dtype: torch.dtype) -> tuple[int, int]:

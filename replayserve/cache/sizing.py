@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from replayserve.cache.memory import cache_bytes_for, check_cache_fit
+from replayserve.cache.memory import cache_bytes_for, check_cache_fit, mtp_cache_bytes
 from replayserve.config import SCORE_ROWS, ConfigError, EngineConfig
 from replayserve.ops.attention_limits import prefill_kernel_head_dim
 from replayserve.ops.dtypes import compute_dtype
@@ -113,7 +113,8 @@ def plan_cache_sizes(config: EngineConfig, free: int, total: int, own: int) -> C
     """
     dtype = getattr(torch, config.dtype)
     reserve = activation_reserve(config)
-    budget = int(total * config.gpu_memory_utilization) - own - reserve
+    # The MTP proposer's cache is allocated after the pools: it comes off first.
+    budget = int(total * config.gpu_memory_utilization) - own - reserve - mtp_cache_bytes(config, dtype)
 
     def cost(blocks: int, slots: int) -> int:
         return sum(cache_bytes_for(config, dtype, blocks, slots, per_rank=True))  # each rank has its own GPU

@@ -8,10 +8,7 @@ embedding and the LM head are the target's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from replayserve.config import ATTENTION, MOE, ModelConfig
@@ -19,6 +16,7 @@ from replayserve.layers.attention import Attention
 from replayserve.layers.linear import Linear
 from replayserve.layers.mlp import MLP, MoE
 from replayserve.layers.norm import RMSNorm
+from replayserve.models.mtp_kv import MTPKV, MTPCall, cached_attention, write_kv
 from replayserve.ops.attention import paged_attention_ref
 
 
@@ -40,17 +38,6 @@ class MTPBlock(nn.Module):
             self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         if last:
             self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
-
-
-@dataclass
-class MTPCache:
-    """What `NemotronHMTP.forward_padded` keeps of the positions it has run, so a call for one more
-    position per row computes that position alone: each attention block's keys and values
-    (B, Hkv, P, Dh), and which of the P positions are real (B, P) bool (the rest is left padding)."""
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    valid: torch.Tensor
 
 
 class NemotronHMTP(nn.Module):
@@ -83,63 +70,52 @@ class NemotronHMTP(nn.Module):
                 x = x + block.mixer(h)
         return self.layers[-1].final_layernorm(x)
 
-    def forward_padded(self, embeds: torch.Tensor, hidden: torch.Tensor, valid: torch.Tensor,
-                       cache: MTPCache | None = None) -> tuple[torch.Tensor, MTPCache]:
-        """`forward(..., last_only=True)` for a batch of rows at once, with a cache of the positions
-        already run. embeds, hidden (B, T, hidden): T new positions per row, after the cached ones;
-        valid (B, T) bool: which are real. Padding goes on the left, so every row's last position
-        is real and new positions line up. Returns the last position's output (B, hidden) after
-        final_layernorm, and the cache with the new positions appended.
+    def forward_cached(self, embeds: torch.Tensor, hidden: torch.Tensor, kv: MTPKV, call: MTPCall,
+                       output: bool = True) -> torch.Tensor | None:
+        """`forward(..., last_only=True)` for a batch of rows, each over its T new positions (left-padded,
+        `MTPCall`), attending to the keys and values `kv` keeps of its earlier positions; the new
+        positions' keys and values are written there. embeds, hidden (B, T, hidden).
 
-        Causal attention makes a cached position's keys and values independent of what follows,
-        so extending by one position gives what a forward over the whole row would."""
+        Returns the last column's output (B, hidden) after final_layernorm; with `output` False, None
+        once the last attention block has written its keys and values (a call that only fills the
+        cache: nothing after that block reaches the cache)."""
         attends = [i for i, block in enumerate(self.layers) if block.block_type == ATTENTION]
         last_attention = attends[-1] if attends else -1
         if last_attention < 0:  # rows are independent throughout: the last position alone
-            embeds, hidden, valid = embeds[:, -1:], hidden[:, -1:], valid[:, -1:]
-        key_valid = valid if cache is None else torch.cat([cache.valid, valid], dim=1)
+            if not output:
+                return None
+            embeds, hidden = embeds[:, -1:], hidden[:, -1:]
         first = self.layers[0]
         x = first.eh_proj(torch.cat([first.enorm(embeds), first.hnorm(hidden)], dim=-1))
-        keys: list[torch.Tensor] = []
-        values: list[torch.Tensor] = []
         for i, block in enumerate(self.layers):
             h = block.norm(x)
             if block.block_type == ATTENTION:
-                past = None if cache is None else (cache.keys[len(keys)], cache.values[len(keys)])
-                last = i == last_attention  # every key, the last query only
-                out, k, v = _padded_attention(block.mixer, h, key_valid, past, last)
+                last = i == last_attention  # every key, the last query only (or none)
+                out = _cached_attention(block.mixer, h, kv, attends.index(i), call, queries=1 if last else None,
+                                        output=output or not last)
+                if out is None:
+                    return None
                 x = (x[:, -1:] if last else x) + out
-                keys.append(k)
-                values.append(v)
             else:  # the MLP and MoE take (tokens, hidden)
                 x = x + block.mixer(h.flatten(0, 1)).view_as(x)
-        return self.layers[-1].final_layernorm(x[:, -1]), MTPCache(keys, values, key_valid)
+        return self.layers[-1].final_layernorm(x[:, -1])
 
 
-def _padded_attention(attn: Attention, hidden: torch.Tensor, key_valid: torch.Tensor,
-                      past: tuple[torch.Tensor, torch.Tensor] | None,
-                      last_query_only: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The attention mixer over left-padded rows: hidden (B, T, hidden) new positions after the
-    `past` keys and values (B, Hkv, P, Dh); key_valid (B, P + T) bool. A position attends causally
-    to the real ones; a padding position to itself alone, so its row stays finite (a row of -inf
-    scores would make NaN, which the next block's padded keys would carry into real rows).
-    Returns the output (B, T or 1, hidden) and the keys and values (B, Hkv, P + T, Dh)."""
+def _cached_attention(attn: Attention, hidden: torch.Tensor, kv: MTPKV, block: int, call: MTPCall,
+                      queries: int | None, output: bool) -> torch.Tensor | None:
+    """The attention mixer over a call's new positions hidden (B, T, hidden) against the cache
+    (`mtp_kv.cached_attention`): the output of the last `queries` positions (all: None),
+    (B, Tq, hidden); None without `output` (keys and values written only)."""
     b, t, _ = hidden.shape
-    queries = hidden[:, -1:] if last_query_only else hidden
-    tq = queries.shape[1]
-    q = attn.q_proj(queries).view(b, tq, attn.num_heads, attn.head_dim).transpose(1, 2)
-    k = attn.k_proj(hidden).view(b, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-    v = attn.v_proj(hidden).view(b, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-    if past is not None:
-        k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-    total = k.shape[2]
-    key_pos = torch.arange(total, device=hidden.device)
-    query_pos = key_pos[total - tq :, None]
-    mask = (key_pos <= query_pos) & (key_valid[:, None, :] | (key_pos == query_pos))  # (B, tq, total)
-    group = attn.num_heads // attn.num_kv_heads
-    out = F.scaled_dot_product_attention(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1),
-                                         attn_mask=mask[:, None], scale=attn.scale)
-    return attn.o_proj(out.transpose(1, 2).reshape(b, tq, -1)), k, v
+    k = attn.k_proj(hidden).view(b, t, attn.num_kv_heads, attn.head_dim)
+    v = attn.v_proj(hidden).view(b, t, attn.num_kv_heads, attn.head_dim)
+    write_kv(kv, block, call, k, v)
+    if not output:
+        return None
+    tq = t if queries is None else queries
+    q = attn.q_proj(hidden[:, t - tq :]).view(b, tq, attn.num_heads, attn.head_dim)
+    out = cached_attention(q, kv, block, call, attn.scale)
+    return attn.o_proj(out.reshape(b, tq, -1))
 
 
 def _causal_attention(attn: Attention, hidden: torch.Tensor, last_query_only: bool = False) -> torch.Tensor:

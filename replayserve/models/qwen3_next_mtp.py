@@ -9,9 +9,9 @@ embedding half first), then one decoder layer of gated attention and the family'
 norm is zero-centered, (1 + weight), as the model's others; the token embedding and the LM head are
 the target's. config.json declares it with `mtp_num_hidden_layers: 1`.
 
-The interface is `NemotronHMTP`'s, so `MTPProposer` and `greedy_drafts` run either. RoPE rotates by
-a position's column in the window: attention scores depend on position differences alone, which
-every row keeps, so the target's absolute positions are not needed.
+The interface is `NemotronHMTP`'s, so `MTPProposer` and `greedy_drafts` run either. The uncached
+`forward` rotates by a position's index in its window, the cached path by its absolute position:
+attention scores depend on position differences alone.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from replayserve.layers.granite_ffn import SwiGLUMLP
 from replayserve.layers.linear import Linear
 from replayserve.layers.norm import ZeroCenteredRMSNorm
 from replayserve.layers.qwen_moe import SparseMoeBlock
-from replayserve.models.nemotron_h_mtp import MTPCache
+from replayserve.models.mtp_kv import MTPKV, MTPCall, cached_attention, write_kv
 from replayserve.ops.rope import apply_rope_ref, rope_inv_freq
 
 
@@ -55,62 +55,61 @@ class QwenMTP(nn.Module):
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """embeds (L, hidden): embeddings of tokens i + 1; hidden (L, hidden): the hidden state that
         predicted them (the target's, or this module's own for chained drafts). Causal over the L
-        positions, no cache. Returns (L, hidden) after `norm`, row i predicting token i + 2; with
-        `last_only` the last row alone, (1, hidden) (attention from the last query only)."""
-        valid = torch.ones(1, embeds.shape[0], dtype=torch.bool, device=embeds.device)
-        out, _ = self._run(embeds[None], hidden[None], valid, None, last_only)
-        return out[0]
-
-    def forward_padded(self, embeds: torch.Tensor, hidden: torch.Tensor, valid: torch.Tensor,
-                       cache: MTPCache | None = None) -> tuple[torch.Tensor, MTPCache]:
-        """`forward(..., last_only=True)` for a batch of left-padded rows, with a cache of the
-        positions already run (`NemotronHMTP.forward_padded`'s contract). embeds, hidden
-        (B, T, hidden); valid (B, T) bool. Returns (B, hidden) after `norm` and the extended cache."""
-        out, cache = self._run(embeds, hidden, valid, cache, True)
-        return out[:, -1], cache
-
-    def _run(self, embeds: torch.Tensor, hidden: torch.Tensor, valid: torch.Tensor, cache: MTPCache | None,
-             last_only: bool) -> tuple[torch.Tensor, MTPCache]:
-        """(B, T, hidden) inputs -> (B, T or 1, hidden) outputs after `norm`, and the cache."""
-        key_valid = valid if cache is None else torch.cat([cache.valid, valid], dim=1)
-        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        positions, no cache; RoPE by the row's index. Returns (L, hidden) after `norm`, row i
+        predicting token i + 2; with `last_only` the last row alone, (1, hidden) (attention from the
+        last query only)."""
+        t = embeds.shape[0]
+        x = self._fuse(embeds, hidden)
         layer = self.layers[0]
-        past = None if cache is None else (cache.keys[0], cache.values[0])
-        out, k, v = _gated_attention(layer.self_attn, layer.input_layernorm(x), key_valid, past, last_only)
-        x = (x[:, -1:] if last_only else x) + out
-        x = x + layer.mlp(layer.post_attention_layernorm(x).flatten(0, 1)).view_as(x)
-        return self.norm(x), MTPCache([k], [v], key_valid)
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        positions = torch.arange(t, device=x.device)
+        q, gate, k, v = _project(attn, h[-1:] if last_only else h, h, positions[-1:] if last_only else positions,
+                                 positions)
+        group = attn.num_heads // attn.num_kv_heads
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1).repeat_interleave(group, dim=0),
+                                             v.transpose(0, 1).repeat_interleave(group, dim=0),
+                                             attn_mask=positions[None, :] <= positions[-q.shape[0] :, None],
+                                             scale=attn.scale).transpose(0, 1)
+        x = (x[-1:] if last_only else x) + attn.o_proj(out.flatten(1) * torch.sigmoid(gate.flatten(1)))
+        return self.norm(x + layer.mlp(layer.post_attention_layernorm(x)))
+
+    def forward_cached(self, embeds: torch.Tensor, hidden: torch.Tensor, kv: MTPKV, call: MTPCall,
+                       output: bool = True) -> torch.Tensor | None:
+        """`NemotronHMTP.forward_cached`'s contract: embeds, hidden (B, T, hidden) of each row's T new
+        positions (left-padded, `MTPCall`); RoPE by absolute position (scores depend on position
+        differences alone, so they equal the uncached forward's). Returns (B, hidden) after `norm`, or
+        None without `output` (keys and values written only)."""
+        b, t, _ = embeds.shape
+        x = self._fuse(embeds, hidden)
+        layer = self.layers[0]
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        positions = call.positions(t)
+        tq = 1 if output else 0
+        q, gate, k, v = _project(attn, h[:, t - tq :].flatten(0, 1), h.flatten(0, 1),
+                                 positions[:, t - tq :].flatten(), positions.flatten())
+        write_kv(kv, 0, call, k.view(b, t, *k.shape[1:]), v.view(b, t, *v.shape[1:]))
+        if not output:
+            return None
+        out = cached_attention(q.view(b, 1, *q.shape[1:]), kv, 0, call, attn.scale)
+        x = x[:, -1] + attn.o_proj(out.flatten(1) * torch.sigmoid(gate.flatten(1)))
+        return self.norm(x + layer.mlp(layer.post_attention_layernorm(x)))
+
+    def _fuse(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
 
 
-def _gated_attention(attn: GatedAttention, hidden: torch.Tensor, key_valid: torch.Tensor,
-                     past: tuple[torch.Tensor, torch.Tensor] | None,
-                     last_query_only: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`GatedAttention` over left-padded rows without the paged cache: hidden (B, T, hidden) new
-    positions after the `past` keys and values (B, Hkv, P, Dh, RoPE applied); key_valid (B, P + T)
-    bool. A padding position attends to itself alone, so its row stays finite (as in
-    `nemotron_h_mtp._padded_attention`). Returns the output (B, T or 1, hidden) and the keys and
-    values (B, Hkv, P + T, Dh)."""
-    b, t, _ = hidden.shape
-    queries = hidden[:, -1:] if last_query_only else hidden
-    tq = queries.shape[1]
-    q, gate = attn.q_proj(queries).view(b, tq, attn.num_heads, 2 * attn.head_dim).chunk(2, dim=-1)
+def _project(attn: GatedAttention, queries: torch.Tensor, hidden: torch.Tensor, query_pos: torch.Tensor,
+             key_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`GatedAttention`'s projections without the paged cache: queries (Tq, hidden) and hidden
+    (T, hidden) positions at query_pos (Tq,) and key_pos (T,) int64. Returns q (Tq, H, Dh) and its
+    gate (Tq, H, Dh), k and v (T, Hkv, Dh); q and k normed and rotated (where the layer has RoPE)."""
+    q, gate = attn.q_proj(queries).view(-1, attn.num_heads, 2 * attn.head_dim).chunk(2, dim=-1)
     q = attn.q_norm(q)
-    k = attn.k_norm(attn.k_proj(hidden).view(b, t, attn.num_kv_heads, attn.head_dim))
-    v = attn.v_proj(hidden).view(b, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-    start = 0 if past is None else past[0].shape[2]
-    total = start + t
-    key_pos = torch.arange(total, device=hidden.device)
+    k = attn.k_norm(attn.k_proj(hidden).view(-1, attn.num_kv_heads, attn.head_dim))
+    v = attn.v_proj(hidden).view(-1, attn.num_kv_heads, attn.head_dim)
     if attn.rope is not None:
         inv_freq = rope_inv_freq(*attn.rope, device=hidden.device)
-        q = apply_rope_ref(q.flatten(0, 1), key_pos[total - tq :].repeat(b), inv_freq).view_as(q)
-        k = apply_rope_ref(k.flatten(0, 1), key_pos[start:].repeat(b), inv_freq).view_as(k)
-    q, k = q.transpose(1, 2), k.transpose(1, 2)
-    if past is not None:
-        k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-    query_pos = key_pos[total - tq :, None]
-    mask = (key_pos <= query_pos) & (key_valid[:, None, :] | (key_pos == query_pos))  # (B, tq, total)
-    group = attn.num_heads // attn.num_kv_heads
-    out = F.scaled_dot_product_attention(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1),
-                                         attn_mask=mask[:, None], scale=attn.scale)
-    out = out.transpose(1, 2).reshape(b, tq, -1)
-    return attn.o_proj(out * torch.sigmoid(gate.reshape(b, tq, -1))), k, v
+        q, k = apply_rope_ref(q, query_pos, inv_freq), apply_rope_ref(k, key_pos, inv_freq)
+    return q, gate, k, v

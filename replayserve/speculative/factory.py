@@ -14,7 +14,10 @@ from replayserve.speculative.proposers import NgramProposer, Proposer
 def hidden_store_for(engine: EngineConfig) -> HiddenStore | None:
     """Where the runner records final hidden states, when the proposer reads them (MTP); else None."""
     spec = engine.speculative
-    return HiddenStore() if spec is not None and spec.method == "mtp" else None
+    if spec is None or spec.method != "mtp":
+        return None
+    # The window and what a step may take back (its drafts and one token): all the proposer reads.
+    return HiddenStore(keep=spec.mtp_window + spec.num_speculative_tokens + 1)
 
 
 def make_proposer(engine: EngineConfig, model: nn.Module, hidden_store: HiddenStore | None = None,
@@ -35,7 +38,8 @@ def make_proposer(engine: EngineConfig, model: nn.Module, hidden_store: HiddenSt
         if hidden_store is None:
             raise ValueError("speculative method 'mtp' needs the store its runner records hidden states in "
                              "(hidden_store_for)")
-        return MTPProposer(model, hidden_store, config.mtp_window)
+        return MTPProposer(model, hidden_store, config.mtp_window, max_rows=engine.max_num_seqs,
+                           max_drafts=config.num_speculative_tokens)
     if config.method == "custom":
         return config.proposer
     raise ValueError(f"speculative method {config.method!r} has no proposer")  # rejected by the config

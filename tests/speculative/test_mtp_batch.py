@@ -1,5 +1,6 @@
-"""`MTPProposer.propose_batch` (padded rows, keys and values kept between drafts, one host sync)
-gives each request the drafts of `propose_request`, the plain per-request reference."""
+"""`MTPProposer.propose_batch` (padded rows, the MTP cache, one host sync) gives each request the
+drafts of `propose_request`, the plain per-request reference; the cached forward extends like the
+uncached one."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from replayserve.builtin.tiny import make_tiny
 from replayserve.models.loader import load_model
+from replayserve.models.mtp_kv import MTPKV, MTPCall
 from replayserve.models.nemotron_h import NemotronHForCausalLM
 from replayserve.speculative.mtp import HiddenStore, MTPProposer
 from replayserve.speculative.proposers import DraftRequest
@@ -57,15 +59,24 @@ def test_batched_drafts_equal_the_per_request_reference(tmp_path: Path, mtp_laye
         assert proposer.propose_batch([r]) == {r.request_id: want[r.request_id]}
 
 
-def test_forward_padded_extends_like_a_forward_over_the_longer_row(tmp_path: Path) -> None:
-    """One cached position more gives the last row of `forward` over the row with it appended."""
-    mtp = _model(tmp_path, ("full_attention", "full_attention")).mtp
+def test_forward_cached_extends_like_a_forward_over_the_longer_row(tmp_path: Path) -> None:
+    """Positions run in two calls against the cache (the second a left-padded batch whose rows
+    start at different positions, in cache rows other than 0) give the last row of `forward` over
+    the whole row; padding writes never reach a real row."""
+    model = _model(tmp_path, ("full_attention", "full_attention"))
+    mtp = model.mtp
     gen = torch.Generator().manual_seed(0)
-    width = mtp.layers[0].eh_proj.out_features
+    width = model.config.hidden_size
     embeds, hidden = (torch.randn(2, 10, width, generator=gen, dtype=torch.float64) for _ in range(2))
-    valid = torch.tensor([[True] * 10, [False] * 4 + [True] * 6])
+    kv = MTPKV.empty(model.config, 3, 16, torch.float64, torch.device("cpu"))
+    # Row 0 holds positions 3..12, row 1 positions 24..29 (its first 4 columns: left padding).
+    start = torch.tensor([3, 20])
+    lo = start + torch.tensor([0, 4])
+    rows = torch.tensor([2, 0])
     with torch.no_grad():
-        _, cache = mtp.forward_padded(embeds[:, :9], hidden[:, :9], valid[:, :9])
-        last, _ = mtp.forward_padded(embeds[:, 9:], hidden[:, 9:], valid[:, 9:], cache)
+        mtp.forward_cached(embeds[:, :7], hidden[:, :7], kv, MTPCall(start + 6, torch.tensor([7, 3]), lo, rows),
+                           output=False)
+        last = mtp.forward_cached(embeds[:, 7:], hidden[:, 7:], kv,
+                                  MTPCall(start + 9, torch.tensor([3, 3]), lo, rows))
         full = [mtp(embeds[0], hidden[0], last_only=True), mtp(embeds[1, 4:], hidden[1, 4:], last_only=True)]
     torch.testing.assert_close(last, torch.cat(full), rtol=0, atol=1e-12)

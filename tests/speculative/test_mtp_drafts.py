@@ -1,6 +1,7 @@
-"""The MTP draft loop on the device (`greedy_drafts`) at fixed shapes: the same drafts as the
-loop over the longest row's width and as the per-request reference, in float32 and float64,
-over batches of every kind of row; no host read inside it; shapes fixed by rows and drafts."""
+"""The MTP draft loop on the device (`greedy_drafts`, against the MTP cache) at fixed shapes: the
+same drafts as the loop over the most new positions any row has and as the per-request reference,
+in float32 and float64, over batches of every kind of row; no host read inside it; shapes fixed by
+rows and drafts."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from replayserve.builtin.tiny import make_tiny
 from replayserve.models.loader import load_model
+from replayserve.models.mtp_kv import MTPKV, MTPCall
 from replayserve.models.nemotron_h import NemotronHForCausalLM
 from replayserve.speculative import mtp as mtp_module
 from replayserve.speculative.mtp import HiddenStore, MTPProposer
@@ -48,21 +50,33 @@ def test_fixed_shape_drafts_equal_the_eager_paths(tmp_path: Path, mtp_layers: tu
                                                   dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     model = _model(tmp_path, mtp_layers, dtype)
     store = HiddenStore()
-    fixed = MTPProposer(model, store, window=16, fixed_shapes=True)
-    longest = MTPProposer(model, store, window=16, fixed_shapes=False)
+    # Two attention blocks: a cached position's keys in the second saw the window of the call that
+    # ran it, so the cache equals the windowed recompute only while the window covers the rows.
+    window = 16 if mtp_layers.count("full_attention") == 1 else 64
+    fixed = MTPProposer(model, store, window=window, fixed_shapes=True)
+    longest = MTPProposer(model, store, window=window, fixed_shapes=False)
     widths: list[tuple[int, ...]] = []
     loop = mtp_module.greedy_drafts
-    monkeypatch.setattr(mtp_module, "greedy_drafts",
-                        lambda m, hidden, *rest: (widths.append(tuple(hidden.shape[:2])), loop(m, hidden, *rest))[1])
+
+    def record_width(m: NemotronHForCausalLM, kv: MTPKV, hidden: torch.Tensor, *rest: object) -> torch.Tensor:
+        widths.append(tuple(hidden.shape[:2]))
+        return loop(m, kv, hidden, *rest)
+
+    monkeypatch.setattr(mtp_module, "greedy_drafts", record_width)
+    seen: dict[str, int] = {}  # request id -> the last position a call ran
     for batch in _batches(model, store, dtype):
         want = {r.request_id: tuple(fixed.propose_request(*r)) for r in batch}
         assert all(want.values())
         widths.clear()
         assert fixed.propose_batch(batch) == want
-        assert widths == [(len(batch), 16)]  # the window, whatever the rows' lengths
+        assert widths == [(len(batch), 5)]  # max_drafts + 1, whatever the rows' lengths
         widths.clear()
         assert longest.propose_batch(batch) == want
-        assert widths == [(len(batch), max(len(fixed._inputs(r.request_id, r.token_ids)[1]) for r in batch))]
+        # The new positions alone (the window on a row's first call, at least the last position).
+        new = [len(r.token_ids) - 2 - max(seen.get(r.request_id, -1), store.runs[r.request_id][0] - 1,
+                                          len(r.token_ids) - 2 - window) for r in batch]
+        assert widths == [(len(batch), max(max(new), 1))]
+        seen.update((r.request_id, len(r.token_ids) - 2) for r in batch)
 
 
 def test_the_draft_loop_reads_nothing_back_to_the_host(tmp_path: Path) -> None:
@@ -74,8 +88,33 @@ def test_the_draft_loop_reads_nothing_back_to_the_host(tmp_path: Path) -> None:
     b, w, k = 3, 8, 4
     hidden = torch.empty(b, w, model.config.hidden_size, device="meta")
     ids = torch.empty(b, w, dtype=torch.int64, device="meta")
-    valid = torch.empty(b, w, dtype=torch.bool, device="meta")
-    drafts = greedy_drafts(model, hidden, ids, valid, k)
+    kv = MTPKV.empty(model.config, 4, 20, torch.float32, torch.device("meta"))
+    call = MTPCall(*torch.empty(4, b, dtype=torch.int64, device="meta"))
+    drafts = greedy_drafts(model, kv, hidden, ids, call, k)
     assert drafts.shape == (b, k) and drafts.dtype == torch.int64
     with pytest.raises(Exception):  # noqa: B017 - the check itself: a host read on meta raises
         drafts.tolist()
+
+
+@pytest.mark.parametrize("mtp_layers", STACKS)
+def test_padding_rows_change_no_real_row(tmp_path: Path, mtp_layers: tuple[str, ...]) -> None:
+    """What a CUDA graph's bucket does with rows past the call's (`DraftGraphs`): rows with no real
+    position in the scratch row compute finite drafts, and leave the real rows' drafts and every
+    real cache row as they would be without them."""
+    model = _model(tmp_path, mtp_layers, torch.float64)
+    gen = torch.Generator().manual_seed(4)
+    b, t, k, width = 2, 5, 3, model.config.hidden_size
+    hidden = torch.randn(b + 2, t, width, generator=gen, dtype=torch.float64)
+    ids = torch.randint(3, model.config.vocab_size, (b + 2, t), generator=gen)
+    alone, padded = (MTPKV.empty(model.config, 3, 12, torch.float64, torch.device("cpu")) for _ in range(2))
+    for kv in (alone, padded):  # earlier positions of the real rows, cached before
+        for tensor in kv.keys + kv.values:
+            tensor.copy_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64))
+    real = torch.tensor([[20, 4, 12, 1], [7, 5, 0, 2]])  # end, count, lo, cache row
+    pad = torch.tensor([[0, 0, 0, alone.scratch]] * 2)
+    want = greedy_drafts(model, alone, hidden[:b], ids[:b], MTPCall(*real.T), k)
+    got = greedy_drafts(model, padded, hidden, ids, MTPCall(*torch.cat([real, pad]).T), k)
+    assert torch.equal(got[:b], want)
+    for a, p in zip(alone.keys + alone.values, padded.keys + padded.values, strict=True):
+        # The scratch row aside; a batch of other rows rounds the projections differently.
+        torch.testing.assert_close(a[:-1], p[:-1], rtol=0, atol=1e-12)

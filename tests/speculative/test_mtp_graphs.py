@@ -24,7 +24,7 @@ def test_row_buckets_are_powers_of_two_and_the_maximum() -> None:
 def test_draft_graphs_refuse_a_cpu_model(tmp_path: Path) -> None:
     model = _model(tmp_path, ("full_attention", "mlp"), torch.float32)
     with pytest.raises(ValueError, match="CUDA model"):
-        DraftGraphs(model, width=16, max_rows=4)
+        DraftGraphs(model, MTPProposer(model, HiddenStore()).kv, width=5, max_rows=4)
 
 
 @cuda
@@ -35,9 +35,10 @@ def test_graphed_drafts_equal_eager_drafts(tmp_path: Path, mtp_layers: tuple[str
     batches = _batches(model, store, torch.float32)
     for rid, (start, hidden) in list(store.runs.items()):
         store.runs[rid] = (start, hidden.to("cuda"))
-    graphs = DraftGraphs(model, width=16, max_rows=8)
-    graphed = MTPProposer(model, store, window=16, draft_graphs=graphs)
+    # Two proposers on one store: the rows' runs are recorded once, before either drafts.
     eager = MTPProposer(model, store, window=16, fixed_shapes=True)
+    graphed = MTPProposer(model, store, window=16, fixed_shapes=True)
+    graphs = graphed.draft_graphs = DraftGraphs(model, graphed.kv, width=5, max_rows=8)
     for _ in range(2):  # the second round replays the graphs the first captured
         for batch in batches:
             want = eager.propose_batch(batch)
@@ -46,5 +47,6 @@ def test_graphed_drafts_equal_eager_drafts(tmp_path: Path, mtp_layers: tuple[str
             assert want == {r.request_id: tuple(eager.propose_request(*r)) for r in batch}
     assert {b for b, _ in graphs.graphs} == {graphs.bucket(len(b)) for b in batches}
     # More rows than the largest bucket run eagerly, with the same drafts.
-    small = MTPProposer(model, store, window=16, draft_graphs=DraftGraphs(model, width=16, max_rows=2))
+    small = MTPProposer(model, store, window=16, fixed_shapes=True)
+    small.draft_graphs = DraftGraphs(model, small.kv, width=5, max_rows=2)
     assert small.propose_batch(batches[0]) == eager.propose_batch(batches[0])
