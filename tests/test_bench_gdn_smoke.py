@@ -16,7 +16,7 @@ import bench_gdn_prefill  # noqa: E402
 
 # Qwen3.5-9B's GDN layer: (Hv, K, V) = (32, 128, 128) fp32 state, 16 key heads.
 STATE = 32 * 128 * 128 * 4
-ENTRY = (16 * 128 + 32 * 128) * 2 + 2 * 32 * 4
+ENTRY = 16 * 128 * 2 + 32 * 128 * 4 + 32 * 4  # a ring entry: k bf16 per key head, delta and g fp32 per value head
 
 
 @pytest.mark.slow
