@@ -34,11 +34,21 @@ from torch import Tensor
 
 @triton.jit
 def _mm(a, b, DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """a (M, N) @ b (N, P) in fp32: tl.dot if DOT (every dimension >= 16), else summed on the CUDA cores."""
+    """a (M, N) @ b (N, P) in fp32: tl.dot if DOT (every dimension >= 16), else (M = 1) a column of
+    a times b summed over N on the CUDA cores, in b's own layout (no 3-D product to re-lay b into)."""
     if DOT:
         return tl.dot(a, b, input_precision=PRECISION)
     else:
-        return tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+        return tl.sum(tl.trans(a) * b, axis=0)[None, :]
+
+
+@triton.jit
+def _mm_t(a, b, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """a (M, N) @ b^T for b (P, N), as ``_mm``; rows of b (keys) are used as they were loaded."""
+    if DOT:
+        return tl.dot(a, tl.trans(b), input_precision=PRECISION)
+    else:
+        return tl.sum(a * b, axis=1)[None, :]
 
 
 @triton.jit
@@ -119,25 +129,24 @@ def _replay_gdn_read_kernel(
     to_old = _decays(cum_new, cum_old, old[None, :])  # (T, E)
     upto = offs_t[None, :] <= offs_t[:, None]
     to_new = _decays(cum_new, cum_new, upto)  # (T, T), j <= t
-    k_old_t = tl.trans(k_old)
-    k_new_t = tl.trans(k_new)
     s0 = tl.load(state_ptr + slot * s_st_slot + h * s_st_h + offs_k[:, None] * s_st_k + offs_v[None, :] * s_st_v,
                  mask=mask_k[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
     decay = tl.exp(cum_new)[:, None]
 
-    # delta_t; the history's part first, then the new tokens' among themselves (t in order).
-    kk_old = _mm(k_new, k_old_t, DOT, PRECISION) * to_old
+    # Everything but the new tokens' deltas first, so S0 and the history's keys are dead before the
+    # substitution: S0^T k_t and S0^T q_t, the history's terms of delta_t and of o_t.
+    kk_old = _mm_t(k_new, k_old, DOT, PRECISION) * to_old
     delta = beta[:, None] * (v - decay * _mm(k_new, s0, DOT, PRECISION) - _mm(kk_old, d_old, DOT, PRECISION))
+    o = decay * _mm(q, s0, DOT, PRECISION) + _mm(_mm_t(q, k_old, DOT, PRECISION) * to_old, d_old, DOT, PRECISION)
+    qk_new = _mm_t(q, k_new, DOT, PRECISION) * to_new
     if DOT:  # T > 1: delta_t also subtracts beta_t sum_{u<t} exp(G_t - G_u) (k_t.k_u) delta_u
         strict = offs_t[None, :] < offs_t[:, None]
-        a_new = tl.where(strict, _mm(k_new, k_new_t, DOT, PRECISION) * to_new, 0.0) * beta[:, None]
+        a_new = tl.where(strict, _mm_t(k_new, k_new, DOT, PRECISION) * to_new, 0.0) * beta[:, None]
         first = delta
         for t in range(1, n):  # rows u < t are final
             delta = tl.where(offs_t[:, None] == t, first - tl.dot(a_new, delta, input_precision=PRECISION), delta)
     delta = delta.to(d_ring_ptr.dtype.element_ty).to(tl.float32)  # outputs use the value the ring stores
-
-    o = (decay * _mm(q, s0, DOT, PRECISION) + _mm(_mm(q, k_old_t, DOT, PRECISION) * to_old, d_old, DOT, PRECISION)
-         + _mm(_mm(q, k_new_t, DOT, PRECISION) * to_new, delta, DOT, PRECISION))
+    o += _mm(qk_new, delta, DOT, PRECISION)
     tl.store(o_tile, tl.where(mask_t[:, None], o, 0.0).to(o_ptr.dtype.element_ty), mask=mask_o)
 
     # Appends at logical entries m..m+n-1; m + n <= R, so they never land on the history read here.
@@ -239,7 +248,7 @@ def _fold(state: Tensor, k_ring: Tensor, delta_ring: Tensor, g_ring: Tensor, flu
         ring_len, dk, dv, hv // hk, *_pool_strides(state, k_ring, delta_ring, g_ring),
         FLUSH=flush is not None, L2NORM=use_qk_l2norm, BLOCK_E=max(16, triton.next_power_of_2(ring_len)),
         BLOCK_K=max(16, triton.next_power_of_2(dk)), BLOCK_V=block_v, V_TILES=tiles // groups,
-        PRECISION=PRECISION, num_warps=4,
+        PRECISION=PRECISION, num_warps=8,  # 4 spill registers on sm_90 at K = V = 128 (flush: 4 tiles)
     )
 
 
