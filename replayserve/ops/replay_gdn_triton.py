@@ -60,6 +60,15 @@ def _normalized(x, L2NORM: tl.constexpr):
 
 
 @triton.jit
+def _inv_norm(sum_sq, L2NORM: tl.constexpr):
+    """1 / sqrt(sum(x^2) + 1e-6), the scale of l2norm_ref, or 1 where the layer does not normalize."""
+    if L2NORM:
+        return 1.0 / tl.sqrt(sum_sq + 1e-6)
+    else:
+        return sum_sq * 0.0 + 1.0
+
+
+@triton.jit
 def _decays(cum_to, cum_from, mask):
     """exp(cum_to[i] - cum_from[j]) where mask (exponents <= 0 there), else 0: never a ratio of exps."""
     return tl.where(mask, tl.exp(tl.where(mask, cum_to[:, None] - cum_from[None, :], 0.0)), 0.0)
@@ -75,14 +84,14 @@ def _replay_gdn_read_kernel(
     s_q_b, s_q_t, s_q_h, s_q_k, s_k_b, s_k_t, s_k_h, s_k_k, s_v_b, s_v_t, s_v_h, s_v_v,
     s_g_b, s_g_t, s_g_h, s_be_b, s_be_t, s_be_h, s_o_b, s_o_t, s_o_h, s_o_v,
     L2NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_V: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_v = tl.program_id(0)
     h = tl.program_id(1)
     row = tl.program_id(2)
-    offs_e, offs_t, offs_k = tl.arange(0, BLOCK_E), tl.arange(0, BLOCK_T), tl.arange(0, BLOCK_K)
+    offs_e, offs_t = tl.arange(0, BLOCK_E), tl.arange(0, BLOCK_T)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask_k, mask_v = offs_k < dk, offs_v < dv
+    mask_v = offs_v < dv
     o_tile = o_ptr + row * s_o_b + offs_t[:, None] * s_o_t + h * s_o_h + offs_v[None, :] * s_o_v
     mask_o = (offs_t < tokens)[:, None] & mask_v[None, :]
     slot = tl.load(slots_ptr + row).to(tl.int64)
@@ -97,67 +106,93 @@ def _replay_gdn_read_kernel(
     dr = d_ring_ptr + slot * s_dr_slot + h * s_dr_h
     gr = g_ring_ptr + slot * s_gr_slot + h * s_gr_h
     k_in = k_ptr + row * s_k_b + hk * s_k_h
+    q_in = q_ptr + row * s_q_b + hk * s_q_h
+    st = state_ptr + slot * s_st_slot + h * s_st_h
     g_in = g_ptr + row * s_g_b + h * s_g_h
+    writes_key = (pid_v == 0) & (h % heads_per_key == 0)  # one program per key head appends the shared key
 
-    # The history: logical entries j < m at physical (start + j) mod R.
+    # The history: logical entries j < m at physical (start + j) mod R. The step's tokens are rounded
+    # to the rings' dtypes, as the next steps will read them back.
     old = offs_e < m
     phys = start + offs_e
     phys = tl.where(phys >= ring_len, phys - ring_len, phys)
-    k_old = _normalized(tl.load(kr + phys[:, None] * s_kr_e + offs_k[None, :] * s_kr_k,
-                                mask=old[:, None] & mask_k[None, :], other=0.0).to(tl.float32), L2NORM)
+    mask_t = offs_t < n
+    phys_new = start + m + offs_t  # appends at logical entries m..m+n-1: m + n <= R, never on the history
+    phys_new = tl.where(phys_new >= ring_len, phys_new - ring_len, phys_new)
+
+    # Every product over K, in chunks of BLOCK_C columns: one chunk for a decode step; with T > 1,
+    # chunks keep small the tl.dot operands that each warp holds whole (16 x BLOCK_C query rows).
+    # Keys are L2-normalized by scaling the products (bilinear in the keys) once the norms are summed.
+    kk_old = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)  # k_t . k_j
+    qk_old = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)  # q_t . k_j
+    kk_new = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)  # k_t . k_u
+    qk_new = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)  # q_t . k_u
+    ks = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)  # S0^T k_t
+    qs = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)  # S0^T q_t
+    ss_old = tl.zeros([BLOCK_E], dtype=tl.float32)
+    ss_new = tl.zeros([BLOCK_T], dtype=tl.float32)
+    ss_q = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for kc in tl.range(0, BLOCK_K, BLOCK_C):
+        offs_c = kc + tl.arange(0, BLOCK_C)
+        mask_c = offs_c < dk
+        mask_tc = mask_t[:, None] & mask_c[None, :]
+        k_old = tl.load(kr + phys[:, None] * s_kr_e + offs_c[None, :] * s_kr_k, mask=old[:, None] & mask_c[None, :],
+                        other=0.0).to(tl.float32)
+        k_raw = tl.load(k_in + offs_t[:, None] * s_k_t + offs_c[None, :] * s_k_k, mask=mask_tc, other=0.0)
+        k_raw = k_raw.to(k_ring_ptr.dtype.element_ty)
+        k_new = k_raw.to(tl.float32)
+        q = tl.load(q_in + offs_t[:, None] * s_q_t + offs_c[None, :] * s_q_k, mask=mask_tc, other=0.0).to(tl.float32)
+        s0 = tl.load(st + offs_c[:, None] * s_st_k + offs_v[None, :] * s_st_v, mask=mask_c[:, None] & mask_v[None, :],
+                     other=0.0).to(tl.float32)
+        kk_old += _mm_t(k_new, k_old, DOT, PRECISION)
+        qk_old += _mm_t(q, k_old, DOT, PRECISION)
+        if DOT:  # a decode step's one token has no earlier new token
+            kk_new += _mm_t(k_new, k_new, DOT, PRECISION)
+        qk_new += _mm_t(q, k_new, DOT, PRECISION)
+        ks += _mm(k_new, s0, DOT, PRECISION)
+        qs += _mm(q, s0, DOT, PRECISION)
+        if L2NORM:
+            ss_old += tl.sum(k_old * k_old, axis=1)
+            ss_new += tl.sum(k_new * k_new, axis=1)
+            ss_q += tl.sum(q * q, axis=1)
+        if writes_key:
+            tl.store(kr + phys_new[:, None] * s_kr_e + offs_c[None, :] * s_kr_k, k_raw, mask=mask_tc)
+    r_old = _inv_norm(ss_old, L2NORM)
+    r_new = _inv_norm(ss_new, L2NORM)
+    r_q = _inv_norm(ss_q, L2NORM) * scale
+
     g_old = tl.load(gr + phys * s_gr_e, mask=old, other=0.0).to(tl.float32)
     d_old = tl.load(dr + phys[:, None] * s_dr_e + offs_v[None, :] * s_dr_v,
                     mask=old[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
-    # The step's tokens, rounded to the rings' dtypes as the next steps will read them back.
-    mask_t = offs_t < n
-    mask_tk = mask_t[:, None] & mask_k[None, :]
     mask_tv = mask_t[:, None] & mask_v[None, :]
-    k_raw = tl.load(k_in + offs_t[:, None] * s_k_t + offs_k[None, :] * s_k_k, mask=mask_tk, other=0.0)
-    k_raw = k_raw.to(k_ring_ptr.dtype.element_ty)
-    k_new = _normalized(k_raw.to(tl.float32), L2NORM)
-    q = tl.load(q_ptr + row * s_q_b + offs_t[:, None] * s_q_t + hk * s_q_h + offs_k[None, :] * s_q_k,
-                mask=mask_tk, other=0.0).to(tl.float32)
-    q = _normalized(q, L2NORM) * scale
     g_raw = tl.load(g_in + offs_t * s_g_t, mask=mask_t, other=0.0).to(g_ring_ptr.dtype.element_ty)
     beta = tl.load(beta_ptr + row * s_be_b + offs_t * s_be_t + h * s_be_h, mask=mask_t, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + row * s_v_b + offs_t[:, None] * s_v_t + h * s_v_h + offs_v[None, :] * s_v_v,
                 mask=mask_tv, other=0.0).to(tl.float32)
-
     # Cumulative decays from the origin: G_j of the history, G_t of the new tokens (t at entry m + t).
     cum_old = tl.cumsum(g_old, 0)
     cum_new = tl.sum(g_old) + tl.cumsum(g_raw.to(tl.float32), 0)
-    to_old = _decays(cum_new, cum_old, old[None, :])  # (T, E)
-    upto = offs_t[None, :] <= offs_t[:, None]
-    to_new = _decays(cum_new, cum_new, upto)  # (T, T), j <= t
-    s0 = tl.load(state_ptr + slot * s_st_slot + h * s_st_h + offs_k[:, None] * s_st_k + offs_v[None, :] * s_st_v,
-                 mask=mask_k[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
     decay = tl.exp(cum_new)[:, None]
+    kk_old *= r_new[:, None] * r_old[None, :] * _decays(cum_new, cum_old, old[None, :])
+    qk_old *= r_q[:, None] * r_old[None, :] * _decays(cum_new, cum_old, old[None, :])
+    qk_new *= r_q[:, None] * r_new[None, :] * _decays(cum_new, cum_new, offs_t[None, :] <= offs_t[:, None])
 
-    # Everything but the new tokens' deltas first, so S0 and the history's keys are dead before the
-    # substitution: S0^T k_t and S0^T q_t, the history's terms of delta_t and of o_t.
-    kk_old = _mm_t(k_new, k_old, DOT, PRECISION) * to_old
-    delta = beta[:, None] * (v - decay * _mm(k_new, s0, DOT, PRECISION) - _mm(kk_old, d_old, DOT, PRECISION))
-    o = decay * _mm(q, s0, DOT, PRECISION) + _mm(_mm_t(q, k_old, DOT, PRECISION) * to_old, d_old, DOT, PRECISION)
-    qk_new = _mm_t(q, k_new, DOT, PRECISION) * to_new
-    if DOT:  # T > 1: delta_t also subtracts beta_t sum_{u<t} exp(G_t - G_u) (k_t.k_u) delta_u
+    # delta_t: S0's and the history's terms, then (T > 1) the earlier new tokens' in order.
+    delta = beta[:, None] * (v - decay * r_new[:, None] * ks - _mm(kk_old, d_old, DOT, PRECISION))
+    if DOT:  # delta_t also subtracts beta_t sum_{u<t} exp(G_t - G_u) (k_t.k_u) delta_u
         strict = offs_t[None, :] < offs_t[:, None]
-        a_new = tl.where(strict, _mm_t(k_new, k_new, DOT, PRECISION) * to_new, 0.0) * beta[:, None]
+        a_new = kk_new * (r_new[:, None] * r_new[None, :] * beta[:, None]) * _decays(cum_new, cum_new, strict)
         first = delta
         for t in range(1, n):  # rows u < t are final
             delta = tl.where(offs_t[:, None] == t, first - tl.dot(a_new, delta, input_precision=PRECISION), delta)
     delta = delta.to(d_ring_ptr.dtype.element_ty).to(tl.float32)  # outputs use the value the ring stores
-    o += _mm(qk_new, delta, DOT, PRECISION)
+    o = decay * r_q[:, None] * qs + _mm(qk_old, d_old, DOT, PRECISION) + _mm(qk_new, delta, DOT, PRECISION)
     tl.store(o_tile, tl.where(mask_t[:, None], o, 0.0).to(o_ptr.dtype.element_ty), mask=mask_o)
 
-    # Appends at logical entries m..m+n-1; m + n <= R, so they never land on the history read here.
-    phys_new = start + m + offs_t
-    phys_new = tl.where(phys_new >= ring_len, phys_new - ring_len, phys_new)
     tl.store(dr + phys_new[:, None] * s_dr_e + offs_v[None, :] * s_dr_v, delta.to(d_ring_ptr.dtype.element_ty),
              mask=mask_tv)
     if pid_v == 0:
         tl.store(gr + phys_new * s_gr_e, g_raw, mask=mask_t)
-        if h % heads_per_key == 0:  # one value head per key head writes the shared key
-            tl.store(kr + phys_new[:, None] * s_kr_e + offs_k[None, :] * s_kr_k, k_raw, mask=mask_tk)
 
 
 @triton.jit
@@ -279,14 +314,15 @@ def replay_gdn_step_triton(
         return o
     block_v = _block_v(dk, dv, block_v)
     block_t = 1 if tokens == 1 else max(16, triton.next_power_of_2(tokens))
+    block_k = max(16, triton.next_power_of_2(dk))
     _replay_gdn_read_kernel[(triton.cdiv(dv, block_v), hv, rows)](
         state, k_ring, delta_ring, g_ring, ring_start, history, slots, num_tokens, q, k, v, g, beta, o,
         dk ** -0.5 if scale is None else scale, tokens, ring_len, dk, dv, hv // hk,
         *_pool_strides(state, k_ring, delta_ring, g_ring),
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *o.stride(),
         L2NORM=use_qk_l2norm, BLOCK_E=max(16, triton.next_power_of_2(ring_len)), BLOCK_T=block_t,
-        BLOCK_K=max(16, triton.next_power_of_2(dk)), BLOCK_V=block_v, DOT=block_t >= 16, PRECISION=PRECISION,
-        num_warps=4,
+        BLOCK_K=block_k, BLOCK_C=block_k if block_t == 1 else min(32, block_k), BLOCK_V=block_v, DOT=block_t >= 16,
+        PRECISION=PRECISION, num_warps=4 if block_t == 1 else 8,  # sm_90, K = V = 128: no spills either way
     )
     _fold(state, k_ring, delta_ring, g_ring, (ring_start, history, is_flush, slots), None, rows, use_qk_l2norm,
           block_v)
