@@ -199,60 +199,87 @@ def _replay_gdn_read_kernel(
 
 
 @triton.jit
-def _replay_gdn_fold_kernel(
-    state_ptr, k_ring_ptr, d_ring_ptr, g_ring_ptr,
-    ring_start_ptr, history_ptr, is_flush_ptr, slots_ptr, src_ptr, dst_ptr, start_ptr, n_ptr,
-    ring_len, dk, dv, heads_per_key,
+def _fold_tile(
+    state_ptr, k_ring_ptr, d_ring_ptr, g_ring_ptr, src, dst, h, offs_v, n, start, ring_len, dk, dv, heads_per_key,
     s_st_slot, s_st_h, s_st_k, s_st_v, s_kr_slot, s_kr_h, s_kr_e, s_kr_k, s_dr_slot, s_dr_h, s_dr_e, s_dr_v,
     s_gr_slot, s_gr_h, s_gr_e,
-    FLUSH: tl.constexpr, L2NORM: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_TILES: tl.constexpr, PRECISION: tl.constexpr,
+    L2NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid_v = tl.program_id(0)
-    h = tl.program_id(1)
-    row = tl.program_id(2)
-    if FLUSH:  # the step's flushing rows fold their history into their own checkpoint
-        src = tl.load(slots_ptr + row).to(tl.int64)
-        if src < 0:
-            return
-        if tl.load(is_flush_ptr + src) == 0:
-            return
-        n = tl.load(history_ptr + src).to(tl.int32)
-        if n == 0:
-            return
-        dst = src
-        start = tl.load(ring_start_ptr + src).to(tl.int32)
-    else:
-        src = tl.load(src_ptr + row).to(tl.int64)
-        dst = tl.load(dst_ptr + row).to(tl.int64)
-        if (src < 0) | (dst < 0):
-            return
-        n = tl.load(n_ptr + row).to(tl.int32)
-        start = tl.load(start_ptr + row).to(tl.int32)
+    """state[dst] columns offs_v = the fold of state[src]'s with src's ring entries 0..n-1 from `start`:
+    S1 = exp(G_last) S0 + K~^T Delta, K~_j = exp(G_last - G_j) k_j; the source tile is read first."""
     offs_e, offs_k = tl.arange(0, BLOCK_E), tl.arange(0, BLOCK_K)
-    mask_k = offs_k < dk
+    mask_k, mask_v = offs_k < dk, offs_v < dv
     live = offs_e < n
     phys = start + offs_e
     phys = tl.where(phys >= ring_len, phys - ring_len, phys)
-    hk = h // heads_per_key
-    kr = k_ring_ptr + src * s_kr_slot + hk * s_kr_h
-    dr = d_ring_ptr + src * s_dr_slot + h * s_dr_h
-    k = _normalized(tl.load(kr + phys[:, None] * s_kr_e + offs_k[None, :] * s_kr_k,
-                            mask=live[:, None] & mask_k[None, :], other=0.0).to(tl.float32), L2NORM)
+    k = _normalized(tl.load(k_ring_ptr + src * s_kr_slot + (h // heads_per_key) * s_kr_h + phys[:, None] * s_kr_e
+                            + offs_k[None, :] * s_kr_k, mask=live[:, None] & mask_k[None, :], other=0.0).to(tl.float32),
+                    L2NORM)
     g = tl.load(g_ring_ptr + src * s_gr_slot + h * s_gr_h + phys * s_gr_e, mask=live, other=0.0).to(tl.float32)
-    cum = tl.cumsum(g, 0)
+    delta = tl.load(d_ring_ptr + src * s_dr_slot + h * s_dr_h + phys[:, None] * s_dr_e + offs_v[None, :] * s_dr_v,
+                    mask=live[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
     last = tl.sum(g)
-    k_to_end = tl.trans(k * tl.where(live, tl.exp(last - cum), 0.0)[:, None])  # (K, E)
-    for vt in tl.static_range(V_TILES):
-        offs_v = (pid_v * V_TILES + vt) * BLOCK_V + tl.arange(0, BLOCK_V)
-        mask_v = offs_v < dv
-        delta = tl.load(dr + phys[:, None] * s_dr_e + offs_v[None, :] * s_dr_v,
-                        mask=live[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
-        tile = h * s_st_h + offs_k[:, None] * s_st_k + offs_v[None, :] * s_st_v
-        mask_kv = mask_k[:, None] & mask_v[None, :]
-        s0 = tl.load(state_ptr + src * s_st_slot + tile, mask=mask_kv, other=0.0).to(tl.float32)
-        s1 = tl.exp(last) * s0 + tl.dot(k_to_end, delta, input_precision=PRECISION)
-        tl.store(state_ptr + dst * s_st_slot + tile, s1.to(state_ptr.dtype.element_ty), mask=mask_kv)
+    k_to_end = tl.trans(k * tl.where(live, tl.exp(last - tl.cumsum(g, 0)), 0.0)[:, None])  # (K, E)
+    tile = h * s_st_h + offs_k[:, None] * s_st_k + offs_v[None, :] * s_st_v
+    mask_kv = mask_k[:, None] & mask_v[None, :]
+    s0 = tl.load(state_ptr + src * s_st_slot + tile, mask=mask_kv, other=0.0).to(tl.float32)
+    s1 = tl.exp(last) * s0 + tl.dot(k_to_end, delta, input_precision=PRECISION)
+    tl.store(state_ptr + dst * s_st_slot + tile, s1.to(state_ptr.dtype.element_ty), mask=mask_kv)
+
+
+# `rows` changes every step; BLOCK_ROWS follows it, and not specialising on its value lets an
+# eager step of any row count reuse the variant of its CUDA-graph bucket (as ``replay_flush_triton``).
+@triton.jit(do_not_specialize=["rows"])
+def _replay_gdn_flush_kernel(
+    state_ptr, k_ring_ptr, d_ring_ptr, g_ring_ptr, ring_start_ptr, history_ptr, is_flush_ptr, slots_ptr,
+    rows, ring_len, dk, dv, num_heads, heads_per_key,
+    s_st_slot, s_st_h, s_st_k, s_st_v, s_kr_slot, s_kr_h, s_kr_e, s_kr_k, s_dr_slot, s_dr_h, s_dr_e, s_dr_v,
+    s_gr_slot, s_gr_h, s_gr_e,
+    L2NORM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # Persistent programs, as the Mamba2 flush's: each lists the step's flushing rows (about one in W:
+    # a few hundred flags), the f-th being the row where the running count reaches f + 1, then takes
+    # (flushing row, head, V tile) items in turn. No program is spent on a row that does not flush.
+    offs_r = tl.arange(0, BLOCK_ROWS)
+    slot_r = tl.load(slots_ptr + offs_r, mask=offs_r < rows, other=-1).to(tl.int64)
+    real = slot_r >= 0
+    safe = tl.where(real, slot_r, 0)
+    flush = real & (tl.load(is_flush_ptr + safe, mask=real, other=0) != 0)
+    flush = flush & (tl.load(history_ptr + safe, mask=flush, other=0) > 0)
+    rank = tl.cumsum(flush.to(tl.int32), axis=0)
+    count = tl.sum(flush.to(tl.int32), axis=0)
+    v_tiles = tl.cdiv(dv, BLOCK_V)
+    per_row = num_heads * v_tiles
+    for item in tl.range(tl.program_id(0), count * per_row, tl.num_programs(0), num_stages=1):
+        slot = tl.sum(tl.where(flush & (rank == item // per_row + 1), safe, 0), axis=0)
+        h = (item % per_row) // v_tiles
+        offs_v = (item % v_tiles) * BLOCK_V + tl.arange(0, BLOCK_V)
+        _fold_tile(state_ptr, k_ring_ptr, d_ring_ptr, g_ring_ptr, slot, slot, h, offs_v,
+                   tl.load(history_ptr + slot).to(tl.int32), tl.load(ring_start_ptr + slot).to(tl.int32),
+                   ring_len, dk, dv, heads_per_key, s_st_slot, s_st_h, s_st_k, s_st_v, s_kr_slot, s_kr_h, s_kr_e,
+                   s_kr_k, s_dr_slot, s_dr_h, s_dr_e, s_dr_v, s_gr_slot, s_gr_h, s_gr_e,
+                   L2NORM, BLOCK_E, BLOCK_K, PRECISION)
+
+
+@triton.jit
+def _replay_gdn_materialize_kernel(
+    state_ptr, k_ring_ptr, d_ring_ptr, g_ring_ptr, src_ptr, dst_ptr, start_ptr, n_ptr,
+    ring_len, dk, dv, heads_per_key,
+    s_st_slot, s_st_h, s_st_k, s_st_v, s_kr_slot, s_kr_h, s_kr_e, s_kr_k, s_dr_slot, s_dr_h, s_dr_e, s_dr_v,
+    s_gr_slot, s_gr_h, s_gr_e,
+    L2NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    src = tl.load(src_ptr + tl.program_id(2)).to(tl.int64)
+    dst = tl.load(dst_ptr + tl.program_id(2)).to(tl.int64)
+    if (src < 0) | (dst < 0):
+        return
+    _fold_tile(state_ptr, k_ring_ptr, d_ring_ptr, g_ring_ptr, src, dst, tl.program_id(1),
+               tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V), tl.load(n_ptr + tl.program_id(2)).to(tl.int32),
+               tl.load(start_ptr + tl.program_id(2)).to(tl.int32), ring_len, dk, dv, heads_per_key,
+               s_st_slot, s_st_h, s_st_k, s_st_v, s_kr_slot, s_kr_h, s_kr_e, s_kr_k, s_dr_slot, s_dr_h, s_dr_e, s_dr_v,
+               s_gr_slot, s_gr_h, s_gr_e, L2NORM, BLOCK_E, BLOCK_K, PRECISION)
 
 
 # The products' input precision: three TF32 products per fp32 product (the interpreter computes fp32).
@@ -273,20 +300,28 @@ def _pool_strides(state: Tensor, k_ring: Tensor, delta_ring: Tensor, g_ring: Ten
     return [*state.stride(), *k_ring.stride(), *delta_ring.stride(), *g_ring.stride()]
 
 
-def _fold(state: Tensor, k_ring: Tensor, delta_ring: Tensor, g_ring: Tensor, flush: tuple[Tensor, ...] | None,
-          materialize: tuple[Tensor, ...] | None, rows: int, use_qk_l2norm: bool, block_v: int) -> None:
-    """Launch the fold kernel: `flush` = (ring_start, history, is_flush, slots) or `materialize` =
-    (src, dst, ring_start, n). Flush: one program per (row, head) over all of V, since only about one
-    row in W flushes and the others leave at once; materialization: one program per V tile."""
+def _fold_sizes(state: Tensor, g_ring: Tensor, use_qk_l2norm: bool, block_v: int) -> dict:
+    return {"L2NORM": use_qk_l2norm, "BLOCK_E": max(16, triton.next_power_of_2(g_ring.shape[2])),
+            "BLOCK_K": max(16, triton.next_power_of_2(state.shape[2])), "BLOCK_V": block_v, "PRECISION": PRECISION}
+
+
+# Persistent flush programs per SM: at 4 warps the sm_90 build takes 255 registers (no spills), so two
+# are resident on an SM. Not tuned on a GPU.
+FLUSH_PROGRAMS_PER_SM = 2
+
+
+def _flush(state: Tensor, k_ring: Tensor, delta_ring: Tensor, g_ring: Tensor, ring_start: Tensor, history: Tensor,
+           is_flush: Tensor, slots: Tensor, use_qk_l2norm: bool, block_v: int) -> None:
+    """Folds every flushing row's history into its checkpoint, IN PLACE: a fixed grid (a CUDA graph
+    captures it) of persistent programs that share out the flushing rows' (head, V tile) items."""
     (hv, dk, dv), hk, ring_len = state.shape[1:], k_ring.shape[1], g_ring.shape[2]
-    tiles = triton.cdiv(dv, block_v)
-    groups = 1 if flush is not None else tiles
-    _replay_gdn_fold_kernel[(groups, hv, rows)](
-        state, k_ring, delta_ring, g_ring, *(flush or (None,) * 4), *(materialize or (None,) * 4),
-        ring_len, dk, dv, hv // hk, *_pool_strides(state, k_ring, delta_ring, g_ring),
-        FLUSH=flush is not None, L2NORM=use_qk_l2norm, BLOCK_E=max(16, triton.next_power_of_2(ring_len)),
-        BLOCK_K=max(16, triton.next_power_of_2(dk)), BLOCK_V=block_v, V_TILES=tiles // groups,
-        PRECISION=PRECISION, num_warps=8,  # 4 spill registers on sm_90 at K = V = 128 (flush: 4 tiles)
+    programs = 4 if state.device.type != "cuda" else (  # the interpreter: a few exercise the item loop
+        torch.cuda.get_device_properties(state.device).multi_processor_count * FLUSH_PROGRAMS_PER_SM)
+    _replay_gdn_flush_kernel[(programs,)](
+        state, k_ring, delta_ring, g_ring, ring_start, history, is_flush, slots,
+        slots.shape[0], ring_len, dk, dv, hv, hv // hk, *_pool_strides(state, k_ring, delta_ring, g_ring),
+        BLOCK_ROWS=max(16, triton.next_power_of_2(slots.shape[0])),
+        **_fold_sizes(state, g_ring, use_qk_l2norm, block_v), num_warps=4,
     )
 
 
@@ -327,8 +362,7 @@ def replay_gdn_step_triton(
         BLOCK_K=block_k, BLOCK_C=block_k if block_t == 1 else min(32, block_k), BLOCK_V=block_v, DOT=block_t >= 16,
         PRECISION=PRECISION, num_warps=4 if block_t == 1 else 8,  # sm_90, K = V = 128: no spills either way
     )
-    _fold(state, k_ring, delta_ring, g_ring, (ring_start, history, is_flush, slots), None, rows, use_qk_l2norm,
-          block_v)
+    _flush(state, k_ring, delta_ring, g_ring, ring_start, history, is_flush, slots, use_qk_l2norm, block_v)
     return o
 
 
@@ -346,5 +380,10 @@ def replay_gdn_materialize_triton(state: Tensor, k_ring: Tensor, delta_ring: Ten
                          f"{tuple(ring_start.shape)}, {tuple(n.shape)}")
     if src.shape[0] == 0:
         return
-    _fold(state, k_ring, delta_ring, g_ring, None, (src, dst, ring_start, n), src.shape[0], use_qk_l2norm,
-          _block_v(state.shape[2], state.shape[3], block_v))
+    (hv, dk, dv), hk = state.shape[1:], k_ring.shape[1]
+    block_v = _block_v(dk, dv, block_v)
+    _replay_gdn_materialize_kernel[(triton.cdiv(dv, block_v), hv, src.shape[0])](
+        state, k_ring, delta_ring, g_ring, src, dst, ring_start, n, g_ring.shape[2], dk, dv, hv // hk,
+        *_pool_strides(state, k_ring, delta_ring, g_ring), **_fold_sizes(state, g_ring, use_qk_l2norm, block_v),
+        num_warps=8,  # sm_90: 122 registers, where 4 warps take 223
+    )
