@@ -3,19 +3,23 @@
 
 The rings hold each token's correction delta_j (``replay_gdn`` module docstring), so the state after
 entries 0..i is exp(G_i) S0 + sum_{j<=i} exp(G_i - G_j) k_j delta_j^T, with no system to solve over
-the history. Both kernels run one program per (V block, value head, row): V columns never exchange
-anything, so a (K, BLOCK_V) tile of S0 is read by exactly one program, as in the baseline step.
+the history. State columns never exchange anything, so the work is cut into (K, BLOCK_V) tiles of
+S0, each read by exactly one program, as in the baseline step.
 
-- The read kernel computes, for the step's n tokens at logical entries m..m+n-1 (m = history):
+- The read kernel (one program per V block, value head and row) computes, for the step's n tokens
+  at logical entries m..m+n-1 (m = history):
       delta_t = beta_t (v_t - exp(G_t) S0^T k_t - sum_{j<m+t} exp(G_t - G_j) (k_t.k_j) delta_j)
       o_t     = exp(G_t) S0^T q_t + sum_{j<=m+t} exp(G_t - G_j) (q_t.k_j) delta_j
   The history's terms are one (T, E) x (E, BLOCK_V) product; the new tokens' deltas depend on one
   another through a (T, T) unit lower-triangular system, solved row by row (no work when T = 1).
   S0 is read once, with both q and k of the new tokens, and never written. It appends each token's
   (k, delta, g) and always replays from S0 (flush or not), so the flush can run after it.
-- The fold kernel writes S1 = exp(G_last) S0 + K~^T Delta (K~_j = exp(G_last - G_j) k_j), one
-  (K, E) x (E, BLOCK_V) product per tile: the flush (rows whose `is_flush` is set, entries
-  0..history-1, in place) and materialization (src -> dst).
+- The fold writes S1 = exp(G_last) S0 + K~^T Delta (K~_j = exp(G_last - G_j) k_j), one
+  (K, E) x (E, BLOCK_V) product per tile (``_fold_tile``). The flush kernel (rows whose `is_flush` is
+  set, entries 0..history-1, in place) runs a fixed grid of persistent programs that list the
+  step's flushing rows (about one in W) and share out their tiles, as the Mamba2 flush does; a
+  program per (row, head) would hold an SM's registers even for the rows that leave at once. The
+  materialization kernel (src -> dst) runs one program per tile.
 
 Products are tensor-core `tl.dot`s in ``PRECISION`` (``tf32x3``: three TF32 products, close to fp32,
 as the Mamba2 flush) wherever every dimension is >= 16: all of the fold's and, with T > 1 (the
@@ -24,7 +28,8 @@ each warp holds stay small. A decode step (T = 1) has one query row, where a dot
 of zeros: there, as in the baseline step, products are summed on the CUDA cores (about 2 (K + E)
 FMAs per state column against the baseline's 4 K), in one chunk. Built for sm_90 (Triton 3.7, K =
 V = 128, E = 32), the read kernel takes 168 registers at T = 1 (the baseline step 203) and 233 at
-T > 1 (8 warps), the fold 198 (8 warps), none spilling. Launch sizes are not tuned on a GPU yet.
+T > 1 (8 warps), the flush 255 (4 warps), materialization 122 (8 warps), none spilling. Launch
+sizes are not tuned on a GPU yet.
 """
 
 from __future__ import annotations
