@@ -12,8 +12,11 @@ bf16 activations and fp32 state, side by side at each batch:
   kernel, whose programs all leave at once here;
 - flush: the fold of W ring entries into every row's checkpoint (``replay_gdn_materialize`` with
   src = dst, what a flush step runs for its rows);
-- replay: read + flush / W, the steady state per step (each row flushes once every W steps; on its
-  flush step the read replays the same W + 1 entries, so the fold is the only extra work).
+- replay: read + flush / W, the steady state per step estimated (each row flushes once every W steps;
+  on its flush step the read replays the same W + 1 entries, so the fold is the only extra work);
+- replay step: the steady state measured: ``replay_gdn_step`` as the engine runs it, with the rows
+  whose history is W (one in W) flushing in the step's flush kernel. This is the row to hold
+  against ours.
 
 us per call (CUDA events; ``--graph`` times CUDA-graph replays, as the engine runs decode), GB/s of a
 bytes model (below) against the device-to-device copy bandwidth measured as ``bench_e2e`` does
@@ -252,7 +255,11 @@ def measure(batch: int, args: argparse.Namespace, fla: Callable | None, gen: tor
     del pools
     replay = [replay_pool(batch, args.window, device, gen) for _ in range(sets)]
     us["replay read"] = time_calls([read_call(p, x) for p in replay], device, args.graph, args.iters)
+    for p in replay:  # the steady state: the rows at history W (one in W) flush, as replay_prepare sets them
+        p["is_flush"].copy_(p["history"] == args.window)
+    us["replay step"] = time_calls([read_call(p, x) for p in replay], device, args.graph, args.iters)
     for p in replay:  # every row flushes its full window
+        p["is_flush"].zero_()
         p["history"].fill_(args.window)
     us["flush"] = time_calls([flush_call(p) for p in replay], device, args.graph, args.iters)
     del replay
@@ -266,7 +273,7 @@ def bytes_per_row(window: int) -> dict[str, float]:
     read = STATE_BYTES + ((window + 1) / 2 + 1) * ENTRY_BYTES + INPUT_BYTES  # mean history (W + 1) / 2
     flush = 2 * STATE_BYTES + window * ENTRY_BYTES
     return {"ours": 2 * STATE_BYTES + INPUT_BYTES, "fla": 2 * STATE_BYTES + INPUT_BYTES, "replay read": read,
-            "flush": flush, "replay": read + flush / window}
+            "flush": flush, "replay": read + flush / window, "replay step": read + flush / window}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -308,14 +315,15 @@ def main(argv: list[str] | None = None) -> dict:
         for variant, t in us.items():
             gbs = model[variant] * batch / t / 1e3
             records.append({"batch": batch, "variant": variant, "us": t, "mb": model[variant] * batch / 1e6,
-                            "gbs": gbs, "of_copy": gbs / copy_gbs, "vs_fla": us["fla"] / t if "fla" in us else None})
+                            "gbs": gbs, "of_copy": gbs / copy_gbs, "vs_fla": us["fla"] / t if "fla" in us else None,
+                            "vs_ours": us["ours"] / t})
         print(f"done batch {batch}", file=sys.stderr, flush=True)
-    print("\n| batch | variant | us/call | MB/call (model) | GB/s | of copy BW | speed-up vs fla |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    print("\n| batch | variant | us/call | MB/call (model) | GB/s | of copy BW | speed-up vs ours | speed-up vs fla |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in records:
         vs = "-" if r["vs_fla"] is None else f"{r['vs_fla']:.2f}x"
         print(f"| {r['batch']} | {r['variant']} | {r['us']:.1f} | {r['mb']:.2f} | {r['gbs']:.0f} | "
-              f"{r['of_copy']:.0%} | {vs} |")
+              f"{r['of_copy']:.0%} | {r['vs_ours']:.2f}x | {vs} |")
     result = {"meta": {"device": name, "copy_gbs": copy_gbs, "window": args.window, "graph": args.graph,
                        "geometry": {"Hk": HK, "Hv": HV, "K": DK, "V": DV}, "checks": checks}, "records": records}
     if args.out:
