@@ -164,11 +164,11 @@ def resident_bytes(model: NemotronHForCausalLM, config: EngineConfig) -> int:
     mamba = layout.num_layers * sum(math.prod(s) * d.itemsize for s, d in shapes)
     gdn = GatedDeltaLayout.from_config(m, config.max_num_seqs, dtype)
     gdn_shapes = [(gdn.conv_state_shape, gdn.act_dtype), (gdn.ssm_state_shape, gdn.state_dtype)]
-    if window:  # ops/replay_gdn.py's rings: k per key head, v per value head, g and beta per value head
+    if window:  # ops/replay_gdn.py's rings: k per key head, the correction delta and g per value head
         slots, ring = config.max_num_seqs, window + 1
         gdn_shapes += [((slots, gdn.num_key_heads, ring, gdn.key_dim), gdn.act_dtype),
-                       ((slots, gdn.num_value_heads, ring, gdn.value_dim), gdn.act_dtype),
-                       ((2, slots, gdn.num_value_heads, ring), gdn.state_dtype)]
+                       ((slots, gdn.num_value_heads, ring, gdn.value_dim), gdn.state_dtype),
+                       ((slots, gdn.num_value_heads, ring), gdn.state_dtype)]
     mamba += gdn.num_layers * sum(math.prod(s) * d.itemsize for s, d in gdn_shapes)
     kv = (2 * m.num_attention_layers * config.resolved_num_kv_blocks * config.block_size * m.num_key_value_heads
           * m.head_dim * dtype.itemsize)

@@ -7,11 +7,16 @@ bf16 activations and fp32 state, side by side at each batch:
   rows' states in, their final states out (a new tensor each call: the same bytes as in place);
 - replay read: ``replay_gdn_step`` (T = 1, window W) with a typical ring fill, the rows' histories spread
   over 1..W as in the steady state (a row's history cycles through 1..W and it flushes at W), none
-  flushing here: the checkpoint read once, the history replayed, the token appended;
+  flushing here: the checkpoint read once (with the new token's q and k), the history's stored
+  corrections (delta) summed, the token's (k, delta, g) appended; it includes the launch of the flush
+  kernel, whose programs all leave at once here;
 - flush: the fold of W ring entries into every row's checkpoint (``replay_gdn_materialize`` with
   src = dst, what a flush step runs for its rows);
-- replay: read + flush / W, the steady state per step (each row flushes once every W steps; on its
-  flush step the read replays the same W + 1 entries, so the fold is the only extra work).
+- replay: read + flush / W, the steady state per step estimated (each row flushes once every W steps;
+  on its flush step the read replays the same W + 1 entries, so the fold is the only extra work);
+- replay step: the steady state measured: ``replay_gdn_step`` as the engine runs it, with the rows
+  whose history is W (one in W) flushing in the step's flush kernel. This is the row to hold
+  against ours.
 
 us per call (CUDA events; ``--graph`` times CUDA-graph replays, as the engine runs decode), GB/s of a
 bytes model (below) against the device-to-device copy bandwidth measured as ``bench_e2e`` does
@@ -20,11 +25,12 @@ so the state does not sit in L2. Before timing, every variant runs on the same r
 its outputs are compared with a float64 reference and with ours: the max abs differences are printed
 and a variant that disagrees stops the run.
 
-Bytes per row (state S = Hv K V fp32, entry = k (Hk K) + v (Hv V) bf16 + g, beta (Hv) fp32; inputs are
+Bytes per row (state S = Hv K V fp32, entry = k (Hk K) bf16 + delta (Hv V) and g (Hv) fp32; inputs are
 q, k, v, g, beta in and o out): ours and fla 2 S + inputs; replay read S + (mean history + 1) entries +
-inputs; flush 2 S + W entries (the mean history is (W + 1) / 2, as ``roofline`` counts it).
+inputs; flush 2 S + W entries (the mean history is (W + 1) / 2, as ``roofline`` counts it). The bytes
+per row and step of each path, and their ratio to ours, are printed before the table.
 
-    python benchmarks/bench_gdn_decode.py --graph [--batch 1 8 64 256 512] [--window 32] [--out r.json]
+    python benchmarks/bench_gdn_decode.py --graph [--batch 1 8 64 256 512] [--window 31] [--out r.json]
     python benchmarks/bench_gdn_decode.py --device cpu --batch 1 2 --iters 2   # the references, seconds
 """
 
@@ -46,13 +52,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from roofline import measure_rates  # noqa: E402
 
-from replayserve.ops.gated_delta import gated_delta_recurrent_ref, gated_delta_step, gated_delta_step_ref  # noqa: E402
+from replayserve.ops.gated_delta import (  # noqa: E402
+    expand_key_heads,
+    gated_delta_recurrent_ref,
+    gated_delta_step,
+    gated_delta_step_ref,
+    l2norm_ref,
+)
 from replayserve.ops.replay_gdn import replay_gdn_materialize, replay_gdn_step  # noqa: E402
 
 HK, HV, DK, DV = 16, 32, 128, 128  # Qwen3.5-9B's GDN layer (and Qwen3.5-35B-A3B's, Qwen3-Next's)
 ACT, STATE = torch.bfloat16, torch.float32
 STATE_BYTES = HV * DK * DV * 4
-ENTRY_BYTES = (HK * DK + HV * DV) * 2 + 2 * HV * 4
+ENTRY_BYTES = HK * DK * 2 + HV * DV * 4 + HV * 4  # k bf16, delta and g fp32
 INPUT_BYTES = (2 * HK * DK + 2 * HV * DV) * 2 + 2 * HV * 4
 ROTATE_BYTES = 512 << 20  # state bytes a timed pass touches on CUDA, well past the 50 MB L2
 Call = Callable[[], object]
@@ -82,13 +94,13 @@ def replay_pool(batch: int, window: int, device: str, gen: torch.Generator,
     """A ReplaySSM-GDN pool of `batch` slots with random rings and origins; histories spread over
     1..W (the steady state) unless given; nothing flushing; rows on permuted slots. The large tensors
     are drawn on the device (torch's seeded generator there: a GiB of state drawn on the host takes
-    seconds), the cursors with `gen`."""
+    seconds), the cursors with `gen`. The random corrections are not a recurrence's: enough for
+    timing; ``consistent_history`` makes them one for the check."""
     ring = window + 1
     pool = {"state": torch.randn(batch, HV, DK, DV, device=device) * 0.1,
             "k_ring": torch.randn(batch, HK, ring, DK, device=device).to(ACT),
-            "v_ring": torch.randn(batch, HV, ring, DV, device=device).to(ACT),
+            "delta_ring": torch.randn(batch, HV, ring, DV, device=device) * 0.1,
             "g_ring": -torch.rand(batch, HV, ring, device=device) * 0.3,
-            "beta_ring": torch.rand(batch, HV, ring, device=device),
             "ring_start": torch.randint(0, ring, (batch,), generator=gen, dtype=torch.int32),
             "history": (torch.randperm(batch, generator=gen) % window + 1).to(torch.int32) if history is None
             else history,
@@ -96,7 +108,35 @@ def replay_pool(batch: int, window: int, device: str, gen: torch.Generator,
     return {n: t.to(device) for n, t in pool.items()}
 
 
-RINGS = ("state", "k_ring", "v_ring", "g_ring", "beta_ring")
+RINGS = ("state", "k_ring", "delta_ring", "g_ring")
+
+
+def consistent_history(pool: dict[str, torch.Tensor], gen: torch.Generator) -> list[torch.Tensor]:
+    """Rewrites each slot's ring history as `history` random tokens (k, v, g, beta) run from its
+    checkpoint, their corrections delta computed token by token in float64; returns the float64
+    state each slot reaches, by ``gated_delta_recurrent_ref`` (independent of the rings' delta form)."""
+    ring = pool["g_ring"].shape[2]
+    reached = []
+    for s in range(pool["state"].shape[0]):
+        m, start = int(pool["history"][s]), int(pool["ring_start"][s])
+        x = token(m, "cpu", gen)
+        k = x["k"].to(pool["k_ring"].device)
+        state = pool["state"][s].double()
+        for j in range(m):  # delta_j = beta_j (v_j - (exp(g_j) S)^T k_j), then S += k_j delta_j^T
+            kj = l2norm_ref(expand_key_heads(k[j].double(), HV))
+            state = torch.exp(x["g"][j].double().to(state.device))[:, None, None] * state
+            delta = x["beta"][j].double().to(state.device)[:, None] * (
+                x["v"][j].double().to(state.device) - torch.einsum("hkv,hk->hv", state, kj))
+            p = (start + j) % ring
+            pool["k_ring"][s, :, p], pool["g_ring"][s, :, p] = k[j], x["g"][j].to(state.device)
+            pool["delta_ring"][s, :, p] = delta.to(pool["delta_ring"].dtype)
+            state = state + kj[:, :, None] * pool["delta_ring"][s, :, p].double()[:, None, :]
+        ref = pool["state"][s : s + 1].double()
+        if m:
+            inputs = [t[None].double().to(ref.device) for t in (x["k"], k, x["v"], x["g"], x["beta"])]
+            ref = gated_delta_recurrent_ref(*inputs, ref, use_qk_l2norm=True)[1]
+        reached.append(ref[0])
+    return reached
 
 
 def read_call(pool: dict[str, torch.Tensor], x: dict[str, torch.Tensor]) -> Call:
@@ -132,19 +172,7 @@ def check(window: int, device: str, fla: Callable | None, gen: torch.Generator) 
     batch = 4
     history = torch.tensor([0, window // 3, 2 * window // 3, window], dtype=torch.int32)
     pool = replay_pool(batch, window, device, gen, history)
-    ring = window + 1
-    reached = []  # the state after each slot's history, float64
-    for s in range(batch):
-        m, start = int(pool["history"][s]), int(pool["ring_start"][s])
-        idx = torch.tensor([(start + j) % ring for j in range(m)], device=device, dtype=torch.long)
-        keys = pool["k_ring"][s][:, idx].transpose(0, 1)
-        entries = (keys, keys,  # as q too: only the final state is kept
-                   pool["v_ring"][s][:, idx].transpose(0, 1), pool["g_ring"][s][:, idx].T,
-                   pool["beta_ring"][s][:, idx].T)
-        state = pool["state"][s : s + 1].double()
-        if m:
-            state = gated_delta_recurrent_ref(*(e[None].double() for e in entries), state, use_qk_l2norm=True)[1]
-        reached.append(state[0])
+    reached = consistent_history(pool, gen)  # the state after each slot's history, float64
     x = token(batch, device, gen)
     slots = pool["slots"]
     ref_pool = torch.stack(reached)
@@ -227,7 +255,11 @@ def measure(batch: int, args: argparse.Namespace, fla: Callable | None, gen: tor
     del pools
     replay = [replay_pool(batch, args.window, device, gen) for _ in range(sets)]
     us["replay read"] = time_calls([read_call(p, x) for p in replay], device, args.graph, args.iters)
+    for p in replay:  # the steady state: the rows at history W (one in W) flush, as replay_prepare sets them
+        p["is_flush"].copy_(p["history"] == args.window)
+    us["replay step"] = time_calls([read_call(p, x) for p in replay], device, args.graph, args.iters)
     for p in replay:  # every row flushes its full window
+        p["is_flush"].zero_()
         p["history"].fill_(args.window)
     us["flush"] = time_calls([flush_call(p) for p in replay], device, args.graph, args.iters)
     del replay
@@ -241,14 +273,15 @@ def bytes_per_row(window: int) -> dict[str, float]:
     read = STATE_BYTES + ((window + 1) / 2 + 1) * ENTRY_BYTES + INPUT_BYTES  # mean history (W + 1) / 2
     flush = 2 * STATE_BYTES + window * ENTRY_BYTES
     return {"ours": 2 * STATE_BYTES + INPUT_BYTES, "fla": 2 * STATE_BYTES + INPUT_BYTES, "replay read": read,
-            "flush": flush, "replay": read + flush / window}
+            "flush": flush, "replay": read + flush / window, "replay step": read + flush / window}
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256, 512])
-    p.add_argument("--window", type=int, default=32, help="ReplaySSM window W (the engine's default for decode)")
+    p.add_argument("--window", type=int, default=31,
+                   help="ReplaySSM window W: the engine's default for GDN plain decode (R = W + 1 = 32)")
     p.add_argument("--iters", type=int, default=20, help="timed passes per variant; the median is reported")
     p.add_argument("--graph", action="store_true", help="time CUDA-graph replays (CUDA only)")
     p.add_argument("--out", type=Path, help="write the result as JSON here")
@@ -273,20 +306,24 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{name}: device-to-device copy {copy_gbs:.0f} GB/s (read + write); window W={args.window}; "
           f"{'CUDA graph' if args.graph and args.device.startswith('cuda') else 'eager'}")
     model = bytes_per_row(args.window)
+    print(f"bytes per row and step (model): ours {model['ours'] / 2**20:.3f} MiB; replay {model['replay'] / 2**20:.3f} "
+          f"MiB = read {model['replay read'] / 2**20:.3f} + flush {model['flush'] / 2**20:.3f} / W "
+          f"({model['ours'] / model['replay']:.2f}x fewer than ours)")
     records = []
     for batch in args.batch:
         us = measure(batch, args, fla, gen)
         for variant, t in us.items():
             gbs = model[variant] * batch / t / 1e3
             records.append({"batch": batch, "variant": variant, "us": t, "mb": model[variant] * batch / 1e6,
-                            "gbs": gbs, "of_copy": gbs / copy_gbs, "vs_fla": us["fla"] / t if "fla" in us else None})
+                            "gbs": gbs, "of_copy": gbs / copy_gbs, "vs_fla": us["fla"] / t if "fla" in us else None,
+                            "vs_ours": us["ours"] / t})
         print(f"done batch {batch}", file=sys.stderr, flush=True)
-    print("\n| batch | variant | us/call | MB/call (model) | GB/s | of copy BW | speed-up vs fla |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    print("\n| batch | variant | us/call | MB/call (model) | GB/s | of copy BW | speed-up vs ours | speed-up vs fla |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in records:
         vs = "-" if r["vs_fla"] is None else f"{r['vs_fla']:.2f}x"
         print(f"| {r['batch']} | {r['variant']} | {r['us']:.1f} | {r['mb']:.2f} | {r['gbs']:.0f} | "
-              f"{r['of_copy']:.0%} | {vs} |")
+              f"{r['of_copy']:.0%} | {r['vs_ours']:.2f}x | {vs} |")
     result = {"meta": {"device": name, "copy_gbs": copy_gbs, "window": args.window, "graph": args.graph,
                        "geometry": {"Hk": HK, "Hv": HV, "K": DK, "V": DV}, "checks": checks}, "records": records}
     if args.out:

@@ -6,7 +6,7 @@ state as the backend moves it, and each attention layer's KV cache at the rows' 
 State bytes are derived from `replayserve.ssm.layout` (`MambaLayout`, `GatedDeltaLayout`), the
 engine's own state geometry; the ReplaySSM count is `bench_ssm_decode`'s: checkpoint read, 1/W
 written, the mean history of (W + 1) / 2 ring entries read plus one appended (a GDN ring entry is
-`ops/replay_gdn.py`'s: k per key head, v per value head, g and beta per value head). Activations
+`ops/replay_gdn.py`'s: k per key head, the correction delta and g per value head). Activations
 are left out.
 """
 
@@ -123,14 +123,14 @@ def mamba_bytes_per_row(model: NemotronHForCausalLM, backend: str, window: int) 
 
 def gdn_bytes_per_row(model: NemotronHForCausalLM, backend: str, window: int) -> dict[str, float]:
     """Per decode row and step, summed over Gated DeltaNet layers: 'state' ((Hv, K, V) state and conv
-    state) and 'rings' (ReplaySSM: k, v, g and beta of the ring entries read and appended)."""
+    state) and 'rings' (ReplaySSM: k, delta and g of the ring entries read and appended)."""
     layout = GatedDeltaLayout.from_config(model.config, 1, model.backbone.embeddings.weight.dtype)
     state = _nbytes(layout.ssm_state_shape, layout.state_dtype)
     conv = 2 * _nbytes(layout.conv_state_shape, layout.act_dtype)
     if backend != "replay":
         return {"state": layout.num_layers * (2 * state + conv), "rings": 0.0}
-    entry = (layout.qk_dim + layout.v_dim) * layout.act_dtype.itemsize \
-        + 2 * layout.num_value_heads * layout.state_dtype.itemsize
+    entry = layout.qk_dim * layout.act_dtype.itemsize \
+        + (layout.v_dim + layout.num_value_heads) * layout.state_dtype.itemsize
     return {"state": layout.num_layers * (state * (1 + 1 / window) + conv),
             "rings": layout.num_layers * entry * ((window + 1) / 2 + 1)}
 

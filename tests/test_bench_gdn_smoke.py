@@ -16,7 +16,7 @@ import bench_gdn_prefill  # noqa: E402
 
 # Qwen3.5-9B's GDN layer: (Hv, K, V) = (32, 128, 128) fp32 state, 16 key heads.
 STATE = 32 * 128 * 128 * 4
-ENTRY = (16 * 128 + 32 * 128) * 2 + 2 * 32 * 4
+ENTRY = 16 * 128 * 2 + 32 * 128 * 4 + 32 * 4  # a ring entry: k bf16 per key head, delta and g fp32 per value head
 
 
 @pytest.mark.slow
@@ -29,7 +29,7 @@ def test_bench_gdn_decode_cpu_smoke(tmp_path: Path) -> None:
     for r in result["meta"]["checks"].values():
         assert all(v < 1e-2 for k, v in r.items() if "rel" in k)
     rows = {(r["batch"], r["variant"]): r for r in result["records"]}
-    assert set(rows) == {(b, v) for b in (1, 2) for v in ("ours", "replay read", "flush", "replay")}
+    assert set(rows) == {(b, v) for b in (1, 2) for v in ("ours", "replay read", "flush", "replay", "replay step")}
     assert all(r["us"] > 0 and r["vs_fla"] is None for r in rows.values())
     # the bytes model: baseline reads and writes the state; a flush also reads W = 8 entries
     assert rows[2, "flush"]["mb"] == pytest.approx(2 * (2 * STATE + 8 * ENTRY) / 1e6)

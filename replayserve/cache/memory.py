@@ -63,9 +63,9 @@ def cache_bytes_for(config: EngineConfig, dtype: torch.dtype, num_kv_blocks: int
                                            max_rows=config.max_num_seqs)
         per_layer = _nbytes(gdn.conv_state_shape, gdn.act_dtype) + _nbytes(gdn.ssm_state_shape, gdn.state_dtype)
         cursors = 0
-        if replay:  # rings of the recent k, v, g and beta; three cursors per slot shared by all layers
-            per_layer += (_nbytes(gdn.k_ring_shape, gdn.act_dtype) + _nbytes(gdn.v_ring_shape, gdn.act_dtype)
-                          + 2 * _nbytes(gdn.gate_ring_shape, gdn.state_dtype))
+        if replay:  # rings of the recent k, delta and g; three cursors per slot shared by all layers
+            per_layer += (_nbytes(gdn.k_ring_shape, gdn.act_dtype) + _nbytes(gdn.delta_ring_shape, gdn.state_dtype)
+                          + _nbytes(gdn.gate_ring_shape, gdn.state_dtype))
             cursors = _nbytes(gdn.cursor_shape, torch.int32) * 2 + _nbytes(gdn.cursor_shape, torch.bool)
         elif gdn.tokens_per_step > 1:  # the baseline keeps one state per verified position of each row
             per_layer += _nbytes(gdn.spec_states_shape, gdn.state_dtype)

@@ -235,8 +235,8 @@ class EngineConfig:
         artefact: docs/perf-log/2026-12-06-replayssm-window-and-flush.md), and 32 stayed. Verify
         steps keep the window they were measured with.
 
-        Gated DeltaNet's replayed read solves an E x E system with E = R = W + T rounded up to a
-        power of two (docs/replayssm.md, Gated DeltaNet): its default keeps R at 32, or 16 with
+        Gated DeltaNet's kernels hold the ring's entries in tiles of R = W + T rounded up to a power
+        of two (docs/replayssm.md, Gated DeltaNet): its default keeps R at 32, or 16 with
         speculation (doubled until W >= T), so no entry is padding. Not yet measured on a GPU.
         """
         if self.replay_window is not None:

@@ -1,27 +1,35 @@
 """Triton ReplaySSM kernels for Gated DeltaNet: match ``replay_gdn_step_ref`` and
 ``replay_gdn_materialize_ref`` of ``replayserve.ops.replay_gdn`` (math: docs/replayssm.md, Gated DeltaNet).
 
-Both kernels run one program per (value head, row) and group of V columns, and build the WY form
-of the row's E = history (+ new) ring entries once, in registers: the decays D_ij = exp(G_i - G_j),
-the unit lower-triangular system I + A (A_ij = beta_i D_ij k_i.k_j, j < i), its inverse by
-forward substitution over the live entries, and W = inv (beta exp(G) k). They then walk the
-program's V tiles: U = inv (beta v) per tile.
+The rings hold each token's correction delta_j (``replay_gdn`` module docstring), so the state after
+entries 0..i is exp(G_i) S0 + sum_{j<=i} exp(G_i - G_j) k_j delta_j^T, with no system to solve over
+the history. State columns never exchange anything, so the work is cut into (K, BLOCK_V) tiles of
+S0, each read by exactly one program, as in the baseline step.
 
-- The read kernel folds the checkpoint into each new token's query instead of into a state:
-  o_i = S0^T q~_i + P_i U with q~_i = exp(G_i) q_i - P_i W and P_ij = D_ij q_i.k_j (j <= i). S0
-  is read once and never written; the per-token work on S0 is one (K, BLOCK_V) product per tile,
-  as in the baseline step. It always replays from S0 over history + new entries, flush or not
-  (equal in exact arithmetic to the reference's replay from the flushed S1), so the fold can run
-  after it. It appends the new tokens' (k, v, g, beta) to the rings.
-- The fold kernel writes S1 = exp(G_last) S0 + K^T diag(exp(G_last - G_j)) (U - W S0): the flush
-  (rows whose `is_flush` is set, entries 0..history-1, in place) and materialization (src -> dst).
+- The read kernel (one program per V block, value head and row) computes, for the step's n tokens
+  at logical entries m..m+n-1 (m = history):
+      delta_t = beta_t (v_t - exp(G_t) S0^T k_t - sum_{j<m+t} exp(G_t - G_j) (k_t.k_j) delta_j)
+      o_t     = exp(G_t) S0^T q_t + sum_{j<=m+t} exp(G_t - G_j) (q_t.k_j) delta_j
+  The history's terms are one (T, E) x (E, BLOCK_V) product; the new tokens' deltas depend on one
+  another through a (T, T) unit lower-triangular system, solved row by row (no work when T = 1).
+  S0 is read once, with both q and k of the new tokens, and never written. It appends each token's
+  (k, delta, g) and always replays from S0 (flush or not), so the flush can run after it.
+- The fold writes S1 = exp(G_last) S0 + K~^T Delta (K~_j = exp(G_last - G_j) k_j), one
+  (K, E) x (E, BLOCK_V) product per tile (``_fold_tile``). The flush kernel (rows whose `is_flush` is
+  set, entries 0..history-1, in place) runs a fixed grid of persistent programs that list the
+  step's flushing rows (about one in W) and share out their tiles, as the Mamba2 flush does; a
+  program per (row, head) would hold an SM's registers even for the rows that leave at once. The
+  materialization kernel (src -> dst) runs one program per tile.
 
-The E x E work (about E^2 (K + V) multiply-adds in products and E^3 in the substitution per row
-and head, E padded to a power of two) is what a replayed read adds to the baseline's 4 K V per
-token; a group of V columns per program repeats it, so the launch takes one group (all of V)
-when rows x heads fill the GPU.
-Products run in ``PRECISION`` (``tf32x3`` by default: three TF32 products, close to fp32, as the
-Mamba2 flush); the launch configuration is not tuned on a GPU yet.
+Products are tensor-core `tl.dot`s in ``PRECISION`` (``tf32x3``: three TF32 products, close to fp32,
+as the Mamba2 flush) wherever every dimension is >= 16: all of the fold's and, with T > 1 (the
+query rows padded to 16), all of the read's, over K in chunks of 32 so that the padded query rows
+each warp holds stay small. A decode step (T = 1) has one query row, where a dot would pad 15 rows
+of zeros: there, as in the baseline step, products are summed on the CUDA cores (about 2 (K + E)
+FMAs per state column against the baseline's 4 K), in one chunk. Built for sm_90 (Triton 3.7, K =
+V = 128, E = 32), the read kernel takes 168 registers at T = 1 (the baseline step 203) and 233 at
+T > 1 (8 warps), the flush 255 (4 warps), materialization 122 (8 warps), none spilling. Launch
+sizes are not tuned on a GPU yet.
 """
 
 from __future__ import annotations
@@ -33,46 +41,22 @@ from torch import Tensor
 
 
 @triton.jit
-def _entries(ring_ptr, in_ptr, offs_e, offs_d, mask_d, m, n, start, ring_len, s_r_e, s_r_d, s_in_e, s_in_d):
-    """(E, D) tile of logical entries: j < m from the ring at (start + j) mod R, m <= j < m + n from
-    the input's token j - m (rounded to the ring's dtype, as the ring will hold it), zeros past."""
-    phys = start + offs_e
-    phys = tl.where(phys >= ring_len, phys - ring_len, phys)
-    old = tl.load(ring_ptr + phys[:, None] * s_r_e + offs_d[None, :] * s_r_d,
-                  mask=(offs_e < m)[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-    new_mask = (offs_e >= m) & (offs_e < m + n)
-    new = tl.load(in_ptr + (offs_e - m)[:, None] * s_in_e + offs_d[None, :] * s_in_d,
-                  mask=new_mask[:, None] & mask_d[None, :], other=0.0)
-    return old + new.to(ring_ptr.dtype.element_ty).to(tl.float32)
+def _mm(a, b, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """a (M, N) @ b (N, P) in fp32: tl.dot if DOT (every dimension >= 16), else (M = 1) a column of
+    a times b summed over N on the CUDA cores, in b's own layout (no 3-D product to re-lay b into)."""
+    if DOT:
+        return tl.dot(a, b, input_precision=PRECISION)
+    else:
+        return tl.sum(tl.trans(a) * b, axis=0)[None, :]
 
 
 @triton.jit
-def _scalars(ring_ptr, in_ptr, offs_e, m, n, start, ring_len, s_r_e, s_in_e):
-    """(E,) logical entries of a per-token scalar (g or beta), as ``_entries``."""
-    phys = start + offs_e
-    phys = tl.where(phys >= ring_len, phys - ring_len, phys)
-    old = tl.load(ring_ptr + phys * s_r_e, mask=offs_e < m, other=0.0).to(tl.float32)
-    new = tl.load(in_ptr + (offs_e - m) * s_in_e, mask=(offs_e >= m) & (offs_e < m + n), other=0.0)
-    return old + new.to(ring_ptr.dtype.element_ty).to(tl.float32)
-
-
-@triton.jit
-def _wy(k, g, beta, offs_e, live, PRECISION: tl.constexpr):
-    """Cumulative log decays G (E,), inv = (I + A)^-1 (E, E) and W = inv (beta exp(G) k) (E, K);
-    entries at and past `live` are zero (identity rows of inv)."""
-    cum = tl.cumsum(g, 0)
-    rows = offs_e[:, None]
-    strict = offs_e[None, :] < rows
-    decay = tl.where(strict, tl.exp(tl.where(strict, cum[:, None] - cum[None, :], 0.0)), 0.0)
-    a = tl.where(strict, beta[:, None] * decay * tl.dot(k, tl.trans(k), input_precision=PRECISION), 0.0)
-    # Forward substitution, one row at a time: row i of the inverse is e_i - sum_{j<i} a_ij (row j).
-    # A Neumann product (I - A)(I + A^2)(I + A^4)... is exact too, but its powers of A grow like
-    # binomials when keys are alike (A_ij near 1) and cancel catastrophically in fp32.
-    inv = tl.where(rows == offs_e[None, :], 1.0, 0.0)
-    for i in range(1, live):
-        a_i = tl.sum(tl.where(rows == i, a, 0.0), axis=0)
-        inv = tl.where(rows == i, inv - tl.sum(a_i[:, None] * inv, axis=0)[None, :], inv)
-    return cum, inv, tl.dot(inv, (beta * tl.exp(cum))[:, None] * k, input_precision=PRECISION)
+def _mm_t(a, b, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """a (M, N) @ b^T for b (P, N), as ``_mm``; rows of b (keys) are used as they were loaded."""
+    if DOT:
+        return tl.dot(a, tl.trans(b), input_precision=PRECISION)
+    else:
+        return tl.sum(a * b, axis=1)[None, :]
 
 
 @triton.jit
@@ -84,180 +68,281 @@ def _normalized(x, L2NORM: tl.constexpr):
 
 
 @triton.jit
+def _inv_norm(sum_sq, L2NORM: tl.constexpr):
+    """1 / sqrt(sum(x^2) + 1e-6), the scale of l2norm_ref, or 1 where the layer does not normalize."""
+    if L2NORM:
+        return 1.0 / tl.sqrt(sum_sq + 1e-6)
+    else:
+        return sum_sq * 0.0 + 1.0
+
+
+@triton.jit
+def _decays(cum_to, cum_from, mask):
+    """exp(cum_to[i] - cum_from[j]) where mask (exponents <= 0 there), else 0: never a ratio of exps."""
+    return tl.where(mask, tl.exp(tl.where(mask, cum_to[:, None] - cum_from[None, :], 0.0)), 0.0)
+
+
+@triton.jit
 def _replay_gdn_read_kernel(
-    state_ptr, k_ring_ptr, v_ring_ptr, g_ring_ptr, beta_ring_ptr, ring_start_ptr, history_ptr, slots_ptr, ntok_ptr,
+    state_ptr, k_ring_ptr, d_ring_ptr, g_ring_ptr, ring_start_ptr, history_ptr, slots_ptr, ntok_ptr,
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
     scale, tokens, ring_len, dk, dv, heads_per_key,
-    s_st_slot, s_st_h, s_st_k, s_st_v, s_kr_slot, s_kr_h, s_kr_e, s_kr_k, s_vr_slot, s_vr_h, s_vr_e, s_vr_v,
-    s_gr_slot, s_gr_h, s_gr_e, s_br_slot, s_br_h, s_br_e,
+    s_st_slot, s_st_h, s_st_k, s_st_v, s_kr_slot, s_kr_h, s_kr_e, s_kr_k, s_dr_slot, s_dr_h, s_dr_e, s_dr_v,
+    s_gr_slot, s_gr_h, s_gr_e,
     s_q_b, s_q_t, s_q_h, s_q_k, s_k_b, s_k_t, s_k_h, s_k_k, s_v_b, s_v_t, s_v_h, s_v_v,
     s_g_b, s_g_t, s_g_h, s_be_b, s_be_t, s_be_h, s_o_b, s_o_t, s_o_h, s_o_v,
-    L2NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_TILES: tl.constexpr, PRECISION: tl.constexpr,
+    L2NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_v = tl.program_id(0)
     h = tl.program_id(1)
     row = tl.program_id(2)
-    offs_e, offs_t, offs_k = tl.arange(0, BLOCK_E), tl.arange(0, BLOCK_T), tl.arange(0, BLOCK_K)
-    mask_k = offs_k < dk
-    o_row = o_ptr + row * s_o_b + offs_t[:, None] * s_o_t + h * s_o_h
+    offs_e, offs_t = tl.arange(0, BLOCK_E), tl.arange(0, BLOCK_T)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_v = offs_v < dv
+    o_tile = o_ptr + row * s_o_b + offs_t[:, None] * s_o_t + h * s_o_h + offs_v[None, :] * s_o_v
+    mask_o = (offs_t < tokens)[:, None] & mask_v[None, :]
     slot = tl.load(slots_ptr + row).to(tl.int64)
     if slot < 0:  # padded row: nothing read or written but zero outputs
-        for vt in tl.static_range(V_TILES):
-            offs_v = (pid_v * V_TILES + vt) * BLOCK_V + tl.arange(0, BLOCK_V)
-            tl.store(o_row + offs_v[None, :] * s_o_v, tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32).to(
-                o_ptr.dtype.element_ty), mask=(offs_t < tokens)[:, None] & (offs_v < dv)[None, :])
+        tl.store(o_tile, tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32).to(o_ptr.dtype.element_ty), mask=mask_o)
         return
     n = tl.load(ntok_ptr + row).to(tl.int32)
     m = tl.load(history_ptr + slot).to(tl.int32)
     start = tl.load(ring_start_ptr + slot).to(tl.int32)
     hk = h // heads_per_key
     kr = k_ring_ptr + slot * s_kr_slot + hk * s_kr_h
-    vr = v_ring_ptr + slot * s_vr_slot + h * s_vr_h
+    dr = d_ring_ptr + slot * s_dr_slot + h * s_dr_h
     gr = g_ring_ptr + slot * s_gr_slot + h * s_gr_h
-    br = beta_ring_ptr + slot * s_br_slot + h * s_br_h
     k_in = k_ptr + row * s_k_b + hk * s_k_h
-    v_in = v_ptr + row * s_v_b + h * s_v_h
+    q_in = q_ptr + row * s_q_b + hk * s_q_h
+    st = state_ptr + slot * s_st_slot + h * s_st_h
     g_in = g_ptr + row * s_g_b + h * s_g_h
-    b_in = beta_ptr + row * s_be_b + h * s_be_h
-    k = _normalized(_entries(kr, k_in, offs_e, offs_k, mask_k, m, n, start, ring_len, s_kr_e, s_kr_k, s_k_t, s_k_k),
-                    L2NORM)
-    g = _scalars(gr, g_in, offs_e, m, n, start, ring_len, s_gr_e, s_g_t)
-    beta = _scalars(br, b_in, offs_e, m, n, start, ring_len, s_br_e, s_be_t)
-    cum, inv, w = _wy(k, g, beta, offs_e, m + n, PRECISION)
+    writes_key = (pid_v == 0) & (h % heads_per_key == 0)  # one program per key head appends the shared key
 
-    mask_t = offs_t < n
-    q = tl.load(q_ptr + row * s_q_b + offs_t[:, None] * s_q_t + hk * s_q_h + offs_k[None, :] * s_q_k,
-                mask=mask_t[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-    q = _normalized(q, L2NORM) * scale
-    pos = m + offs_t  # each new token's logical entry
-    at = offs_e[None, :] <= pos[:, None]
-    cum_q = tl.sum(tl.where(offs_e[None, :] == pos[:, None], cum[None, :], 0.0), axis=1)
-    p = tl.dot(q, tl.trans(k), input_precision=PRECISION) * tl.where(
-        at, tl.exp(tl.where(at, cum_q[:, None] - cum[None, :], 0.0)), 0.0)
-    q_eff = tl.exp(cum_q)[:, None] * q - tl.dot(p, w, input_precision=PRECISION)
-    # Appends at logical entries m..m+n-1; m + n <= R, so they never land on the history read here.
-    phys = start + pos
+    # The history: logical entries j < m at physical (start + j) mod R. The step's tokens are rounded
+    # to the rings' dtypes, as the next steps will read them back.
+    old = offs_e < m
+    phys = start + offs_e
     phys = tl.where(phys >= ring_len, phys - ring_len, phys)
-    for vt in tl.static_range(V_TILES):
-        offs_v = (pid_v * V_TILES + vt) * BLOCK_V + tl.arange(0, BLOCK_V)
-        mask_v = offs_v < dv
-        v = _entries(vr, v_in, offs_e, offs_v, mask_v, m, n, start, ring_len, s_vr_e, s_vr_v, s_v_t, s_v_v)
-        u = tl.dot(inv, beta[:, None] * v, input_precision=PRECISION)
-        s0 = tl.load(state_ptr + slot * s_st_slot + h * s_st_h + offs_k[:, None] * s_st_k + offs_v[None, :] * s_st_v,
-                     mask=mask_k[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
-        o = tl.dot(q_eff, s0, input_precision=PRECISION) + tl.dot(p, u, input_precision=PRECISION)
-        tl.store(o_row + offs_v[None, :] * s_o_v, tl.where(mask_t[:, None], o, 0.0).to(o_ptr.dtype.element_ty),
-                 mask=(offs_t < tokens)[:, None] & mask_v[None, :])
-        mask_tv = mask_t[:, None] & mask_v[None, :]
-        v_new = tl.load(v_in + offs_t[:, None] * s_v_t + offs_v[None, :] * s_v_v, mask=mask_tv)
-        tl.store(vr + phys[:, None] * s_vr_e + offs_v[None, :] * s_vr_v, v_new.to(v_ring_ptr.dtype.element_ty),
-                 mask=mask_tv)
+    mask_t = offs_t < n
+    phys_new = start + m + offs_t  # appends at logical entries m..m+n-1: m + n <= R, never on the history
+    phys_new = tl.where(phys_new >= ring_len, phys_new - ring_len, phys_new)
+
+    # Every product over K, in chunks of BLOCK_C columns: one chunk for a decode step; with T > 1,
+    # chunks keep small the tl.dot operands that each warp holds whole (16 x BLOCK_C query rows).
+    # Keys are L2-normalized by scaling the products (bilinear in the keys) once the norms are summed.
+    kk_old = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)  # k_t . k_j
+    qk_old = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)  # q_t . k_j
+    kk_new = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)  # k_t . k_u
+    qk_new = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)  # q_t . k_u
+    ks = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)  # S0^T k_t
+    qs = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)  # S0^T q_t
+    ss_old = tl.zeros([BLOCK_E], dtype=tl.float32)
+    ss_new = tl.zeros([BLOCK_T], dtype=tl.float32)
+    ss_q = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for kc in tl.range(0, BLOCK_K, BLOCK_C):
+        offs_c = kc + tl.arange(0, BLOCK_C)
+        mask_c = offs_c < dk
+        mask_tc = mask_t[:, None] & mask_c[None, :]
+        k_old = tl.load(kr + phys[:, None] * s_kr_e + offs_c[None, :] * s_kr_k, mask=old[:, None] & mask_c[None, :],
+                        other=0.0).to(tl.float32)
+        k_raw = tl.load(k_in + offs_t[:, None] * s_k_t + offs_c[None, :] * s_k_k, mask=mask_tc, other=0.0)
+        k_raw = k_raw.to(k_ring_ptr.dtype.element_ty)
+        k_new = k_raw.to(tl.float32)
+        q = tl.load(q_in + offs_t[:, None] * s_q_t + offs_c[None, :] * s_q_k, mask=mask_tc, other=0.0).to(tl.float32)
+        s0 = tl.load(st + offs_c[:, None] * s_st_k + offs_v[None, :] * s_st_v, mask=mask_c[:, None] & mask_v[None, :],
+                     other=0.0).to(tl.float32)
+        kk_old += _mm_t(k_new, k_old, DOT, PRECISION)
+        qk_old += _mm_t(q, k_old, DOT, PRECISION)
+        if DOT:  # a decode step's one token has no earlier new token
+            kk_new += _mm_t(k_new, k_new, DOT, PRECISION)
+        qk_new += _mm_t(q, k_new, DOT, PRECISION)
+        ks += _mm(k_new, s0, DOT, PRECISION)
+        qs += _mm(q, s0, DOT, PRECISION)
+        if L2NORM:
+            ss_old += tl.sum(k_old * k_old, axis=1)
+            ss_new += tl.sum(k_new * k_new, axis=1)
+            ss_q += tl.sum(q * q, axis=1)
+        if writes_key:
+            tl.store(kr + phys_new[:, None] * s_kr_e + offs_c[None, :] * s_kr_k, k_raw, mask=mask_tc)
+    r_old = _inv_norm(ss_old, L2NORM)
+    r_new = _inv_norm(ss_new, L2NORM)
+    r_q = _inv_norm(ss_q, L2NORM) * scale
+
+    g_old = tl.load(gr + phys * s_gr_e, mask=old, other=0.0).to(tl.float32)
+    d_old = tl.load(dr + phys[:, None] * s_dr_e + offs_v[None, :] * s_dr_v,
+                    mask=old[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
+    mask_tv = mask_t[:, None] & mask_v[None, :]
+    g_raw = tl.load(g_in + offs_t * s_g_t, mask=mask_t, other=0.0).to(g_ring_ptr.dtype.element_ty)
+    beta = tl.load(beta_ptr + row * s_be_b + offs_t * s_be_t + h * s_be_h, mask=mask_t, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + row * s_v_b + offs_t[:, None] * s_v_t + h * s_v_h + offs_v[None, :] * s_v_v,
+                mask=mask_tv, other=0.0).to(tl.float32)
+    # Cumulative decays from the origin: G_j of the history, G_t of the new tokens (t at entry m + t).
+    cum_old = tl.cumsum(g_old, 0)
+    cum_new = tl.sum(g_old) + tl.cumsum(g_raw.to(tl.float32), 0)
+    decay = tl.exp(cum_new)[:, None]
+    kk_old *= r_new[:, None] * r_old[None, :] * _decays(cum_new, cum_old, old[None, :])
+    qk_old *= r_q[:, None] * r_old[None, :] * _decays(cum_new, cum_old, old[None, :])
+    qk_new *= r_q[:, None] * r_new[None, :] * _decays(cum_new, cum_new, offs_t[None, :] <= offs_t[:, None])
+
+    # delta_t: S0's and the history's terms, then (T > 1) the earlier new tokens' in order.
+    delta = beta[:, None] * (v - decay * r_new[:, None] * ks - _mm(kk_old, d_old, DOT, PRECISION))
+    if DOT:  # delta_t also subtracts beta_t sum_{u<t} exp(G_t - G_u) (k_t.k_u) delta_u
+        strict = offs_t[None, :] < offs_t[:, None]
+        a_new = kk_new * (r_new[:, None] * r_new[None, :] * beta[:, None]) * _decays(cum_new, cum_new, strict)
+        first = delta
+        for t in range(1, n):  # rows u < t are final
+            delta = tl.where(offs_t[:, None] == t, first - tl.dot(a_new, delta, input_precision=PRECISION), delta)
+    delta = delta.to(d_ring_ptr.dtype.element_ty).to(tl.float32)  # outputs use the value the ring stores
+    o = decay * r_q[:, None] * qs + _mm(qk_old, d_old, DOT, PRECISION) + _mm(qk_new, delta, DOT, PRECISION)
+    tl.store(o_tile, tl.where(mask_t[:, None], o, 0.0).to(o_ptr.dtype.element_ty), mask=mask_o)
+
+    tl.store(dr + phys_new[:, None] * s_dr_e + offs_v[None, :] * s_dr_v, delta.to(d_ring_ptr.dtype.element_ty),
+             mask=mask_tv)
     if pid_v == 0:
-        g_new = tl.load(g_in + offs_t * s_g_t, mask=mask_t)
-        b_new = tl.load(b_in + offs_t * s_be_t, mask=mask_t)
-        tl.store(gr + phys * s_gr_e, g_new.to(g_ring_ptr.dtype.element_ty), mask=mask_t)
-        tl.store(br + phys * s_br_e, b_new.to(beta_ring_ptr.dtype.element_ty), mask=mask_t)
-        if h % heads_per_key == 0:  # one value head per key head writes the shared key
-            k_new = tl.load(k_in + offs_t[:, None] * s_k_t + offs_k[None, :] * s_k_k,
-                            mask=mask_t[:, None] & mask_k[None, :])
-            tl.store(kr + phys[:, None] * s_kr_e + offs_k[None, :] * s_kr_k, k_new.to(k_ring_ptr.dtype.element_ty),
-                     mask=mask_t[:, None] & mask_k[None, :])
+        tl.store(gr + phys_new * s_gr_e, g_raw, mask=mask_t)
 
 
 @triton.jit
-def _replay_gdn_fold_kernel(
-    state_ptr, k_ring_ptr, v_ring_ptr, g_ring_ptr, beta_ring_ptr,
-    ring_start_ptr, history_ptr, is_flush_ptr, slots_ptr, src_ptr, dst_ptr, start_ptr, n_ptr,
-    ring_len, dk, dv, heads_per_key,
-    s_st_slot, s_st_h, s_st_k, s_st_v, s_kr_slot, s_kr_h, s_kr_e, s_kr_k, s_vr_slot, s_vr_h, s_vr_e, s_vr_v,
-    s_gr_slot, s_gr_h, s_gr_e, s_br_slot, s_br_h, s_br_e,
-    FLUSH: tl.constexpr, L2NORM: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_TILES: tl.constexpr, PRECISION: tl.constexpr,
+def _fold_tile(
+    state_ptr, k_ring_ptr, d_ring_ptr, g_ring_ptr, src, dst, h, offs_v, n, start, ring_len, dk, dv, heads_per_key,
+    s_st_slot, s_st_h, s_st_k, s_st_v, s_kr_slot, s_kr_h, s_kr_e, s_kr_k, s_dr_slot, s_dr_h, s_dr_e, s_dr_v,
+    s_gr_slot, s_gr_h, s_gr_e,
+    L2NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid_v = tl.program_id(0)
-    h = tl.program_id(1)
-    row = tl.program_id(2)
-    if FLUSH:  # the step's flushing rows fold their history into their own checkpoint
-        src = tl.load(slots_ptr + row).to(tl.int64)
-        if src < 0:
-            return
-        if tl.load(is_flush_ptr + src) == 0:
-            return
-        n = tl.load(history_ptr + src).to(tl.int32)
-        if n == 0:
-            return
-        dst = src
-        start = tl.load(ring_start_ptr + src).to(tl.int32)
-    else:
-        src = tl.load(src_ptr + row).to(tl.int64)
-        dst = tl.load(dst_ptr + row).to(tl.int64)
-        if (src < 0) | (dst < 0):
-            return
-        n = tl.load(n_ptr + row).to(tl.int32)
-        start = tl.load(start_ptr + row).to(tl.int32)
+    """state[dst] columns offs_v = the fold of state[src]'s with src's ring entries 0..n-1 from `start`:
+    S1 = exp(G_last) S0 + K~^T Delta, K~_j = exp(G_last - G_j) k_j; the source tile is read first."""
     offs_e, offs_k = tl.arange(0, BLOCK_E), tl.arange(0, BLOCK_K)
-    mask_k = offs_k < dk
-    hk = h // heads_per_key
-    kr = k_ring_ptr + src * s_kr_slot + hk * s_kr_h
-    vr = v_ring_ptr + src * s_vr_slot + h * s_vr_h
-    gr = g_ring_ptr + src * s_gr_slot + h * s_gr_h
-    br = beta_ring_ptr + src * s_br_slot + h * s_br_h
-    # Ring entries only (no new tokens): the input pointers are the rings', never dereferenced.
-    k = _normalized(_entries(kr, kr, offs_e, offs_k, mask_k, n, 0, start, ring_len, s_kr_e, s_kr_k, s_kr_e, s_kr_k),
+    mask_k, mask_v = offs_k < dk, offs_v < dv
+    live = offs_e < n
+    phys = start + offs_e
+    phys = tl.where(phys >= ring_len, phys - ring_len, phys)
+    k = _normalized(tl.load(k_ring_ptr + src * s_kr_slot + (h // heads_per_key) * s_kr_h + phys[:, None] * s_kr_e
+                            + offs_k[None, :] * s_kr_k, mask=live[:, None] & mask_k[None, :], other=0.0).to(tl.float32),
                     L2NORM)
-    g = _scalars(gr, gr, offs_e, n, 0, start, ring_len, s_gr_e, s_gr_e)
-    beta = _scalars(br, br, offs_e, n, 0, start, ring_len, s_br_e, s_br_e)
-    cum, inv, w = _wy(k, g, beta, offs_e, n, PRECISION)
-    last = tl.sum(tl.where(offs_e == n - 1, cum, 0.0))
-    k_to_end = k * tl.where(offs_e < n, tl.exp(last - cum), 0.0)[:, None]
-    for vt in tl.static_range(V_TILES):
-        offs_v = (pid_v * V_TILES + vt) * BLOCK_V + tl.arange(0, BLOCK_V)
-        mask_v = offs_v < dv
-        v = _entries(vr, vr, offs_e, offs_v, mask_v, n, 0, start, ring_len, s_vr_e, s_vr_v, s_vr_e, s_vr_v)
-        tile = h * s_st_h + offs_k[:, None] * s_st_k + offs_v[None, :] * s_st_v
-        mask_kv = mask_k[:, None] & mask_v[None, :]
-        s0 = tl.load(state_ptr + src * s_st_slot + tile, mask=mask_kv, other=0.0).to(tl.float32)
-        delta = tl.dot(inv, beta[:, None] * v, input_precision=PRECISION) - tl.dot(w, s0, input_precision=PRECISION)
-        s1 = tl.exp(last) * s0 + tl.dot(tl.trans(k_to_end), delta, input_precision=PRECISION)
-        tl.store(state_ptr + dst * s_st_slot + tile, s1.to(state_ptr.dtype.element_ty), mask=mask_kv)
+    g = tl.load(g_ring_ptr + src * s_gr_slot + h * s_gr_h + phys * s_gr_e, mask=live, other=0.0).to(tl.float32)
+    delta = tl.load(d_ring_ptr + src * s_dr_slot + h * s_dr_h + phys[:, None] * s_dr_e + offs_v[None, :] * s_dr_v,
+                    mask=live[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
+    last = tl.sum(g)
+    k_to_end = tl.trans(k * tl.where(live, tl.exp(last - tl.cumsum(g, 0)), 0.0)[:, None])  # (K, E)
+    tile = h * s_st_h + offs_k[:, None] * s_st_k + offs_v[None, :] * s_st_v
+    mask_kv = mask_k[:, None] & mask_v[None, :]
+    s0 = tl.load(state_ptr + src * s_st_slot + tile, mask=mask_kv, other=0.0).to(tl.float32)
+    s1 = tl.exp(last) * s0 + tl.dot(k_to_end, delta, input_precision=PRECISION)
+    tl.store(state_ptr + dst * s_st_slot + tile, s1.to(state_ptr.dtype.element_ty), mask=mask_kv)
+
+
+# `rows` changes every step; BLOCK_ROWS follows it, and not specialising on its value lets an
+# eager step of any row count reuse the variant of its CUDA-graph bucket (as ``replay_flush_triton``).
+@triton.jit(do_not_specialize=["rows"])
+def _replay_gdn_flush_kernel(
+    state_ptr, k_ring_ptr, d_ring_ptr, g_ring_ptr, ring_start_ptr, history_ptr, is_flush_ptr, slots_ptr,
+    rows, ring_len, dk, dv, num_heads, heads_per_key,
+    s_st_slot, s_st_h, s_st_k, s_st_v, s_kr_slot, s_kr_h, s_kr_e, s_kr_k, s_dr_slot, s_dr_h, s_dr_e, s_dr_v,
+    s_gr_slot, s_gr_h, s_gr_e,
+    L2NORM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # Persistent programs, as the Mamba2 flush's: each lists the step's flushing rows (about one in W:
+    # a few hundred flags), the f-th being the row where the running count reaches f + 1, then takes
+    # (flushing row, head, V tile) items in turn. No program is spent on a row that does not flush.
+    offs_r = tl.arange(0, BLOCK_ROWS)
+    slot_r = tl.load(slots_ptr + offs_r, mask=offs_r < rows, other=-1).to(tl.int64)
+    real = slot_r >= 0
+    safe = tl.where(real, slot_r, 0)
+    flush = real & (tl.load(is_flush_ptr + safe, mask=real, other=0) != 0)
+    flush = flush & (tl.load(history_ptr + safe, mask=flush, other=0) > 0)
+    rank = tl.cumsum(flush.to(tl.int32), axis=0)
+    count = tl.sum(flush.to(tl.int32), axis=0)
+    v_tiles = tl.cdiv(dv, BLOCK_V)
+    per_row = num_heads * v_tiles
+    for item in tl.range(tl.program_id(0), count * per_row, tl.num_programs(0), num_stages=1):
+        slot = tl.sum(tl.where(flush & (rank == item // per_row + 1), safe, 0), axis=0)
+        h = (item % per_row) // v_tiles
+        offs_v = (item % v_tiles) * BLOCK_V + tl.arange(0, BLOCK_V)
+        _fold_tile(state_ptr, k_ring_ptr, d_ring_ptr, g_ring_ptr, slot, slot, h, offs_v,
+                   tl.load(history_ptr + slot).to(tl.int32), tl.load(ring_start_ptr + slot).to(tl.int32),
+                   ring_len, dk, dv, heads_per_key, s_st_slot, s_st_h, s_st_k, s_st_v, s_kr_slot, s_kr_h, s_kr_e,
+                   s_kr_k, s_dr_slot, s_dr_h, s_dr_e, s_dr_v, s_gr_slot, s_gr_h, s_gr_e,
+                   L2NORM, BLOCK_E, BLOCK_K, PRECISION)
+
+
+@triton.jit
+def _replay_gdn_materialize_kernel(
+    state_ptr, k_ring_ptr, d_ring_ptr, g_ring_ptr, src_ptr, dst_ptr, start_ptr, n_ptr,
+    ring_len, dk, dv, heads_per_key,
+    s_st_slot, s_st_h, s_st_k, s_st_v, s_kr_slot, s_kr_h, s_kr_e, s_kr_k, s_dr_slot, s_dr_h, s_dr_e, s_dr_v,
+    s_gr_slot, s_gr_h, s_gr_e,
+    L2NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    src = tl.load(src_ptr + tl.program_id(2)).to(tl.int64)
+    dst = tl.load(dst_ptr + tl.program_id(2)).to(tl.int64)
+    if (src < 0) | (dst < 0):
+        return
+    _fold_tile(state_ptr, k_ring_ptr, d_ring_ptr, g_ring_ptr, src, dst, tl.program_id(1),
+               tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V), tl.load(n_ptr + tl.program_id(2)).to(tl.int32),
+               tl.load(start_ptr + tl.program_id(2)).to(tl.int32), ring_len, dk, dv, heads_per_key,
+               s_st_slot, s_st_h, s_st_k, s_st_v, s_kr_slot, s_kr_h, s_kr_e, s_kr_k, s_dr_slot, s_dr_h, s_dr_e, s_dr_v,
+               s_gr_slot, s_gr_h, s_gr_e, L2NORM, BLOCK_E, BLOCK_K, PRECISION)
 
 
 # The products' input precision: three TF32 products per fp32 product (the interpreter computes fp32).
 PRECISION = "tf32x3"
 
 
-def _blocks(ring_len: int, dk: int, dv: int, programs: int, v_groups: int | None) -> tuple[int, dict]:
-    """(groups of V columns, block sizes). tl.dot needs every dimension >= 16. One group (all of V per
-    program, the E x E work done once) unless rows x heads (`programs`) are too few to fill a GPU."""
-    block_e, block_k = max(16, triton.next_power_of_2(ring_len)), max(16, triton.next_power_of_2(dk))
-    block_v = max(16, min(triton.next_power_of_2(dv), 4096 // block_k))
-    tiles = triton.cdiv(dv, block_v)
-    if v_groups is None:
-        v_groups = 1 if programs >= 1024 else tiles
-    if tiles % v_groups:
-        raise ValueError(f"v_groups={v_groups} must divide the {tiles} V tiles of {block_v} columns")
-    return v_groups, {"BLOCK_E": block_e, "BLOCK_K": block_k,
-                      "BLOCK_V": block_v, "V_TILES": tiles // v_groups, "PRECISION": PRECISION}
+def _block_v(dk: int, dv: int, block_v: int | None) -> int:
+    """Columns of S0 per tile: about 4K fp32 state elements (32 per thread at 4 warps), as the
+    baseline step, whose launch reaches 92% of the copy bandwidth on the H100; tl.dot needs >= 16."""
+    if block_v is None:
+        block_v = max(16, min(triton.next_power_of_2(dv), 4096 // max(16, triton.next_power_of_2(dk))))
+    if block_v < 16 or block_v & (block_v - 1):
+        raise ValueError(f"block_v={block_v} must be a power of two >= 16")
+    return block_v
 
 
-def _pool_strides(state: Tensor, k_ring: Tensor, v_ring: Tensor, g_ring: Tensor, beta_ring: Tensor) -> list[int]:
-    return [*state.stride(), *k_ring.stride(), *v_ring.stride(), *g_ring.stride(), *beta_ring.stride()]
+def _pool_strides(state: Tensor, k_ring: Tensor, delta_ring: Tensor, g_ring: Tensor) -> list[int]:
+    return [*state.stride(), *k_ring.stride(), *delta_ring.stride(), *g_ring.stride()]
+
+
+def _fold_sizes(state: Tensor, g_ring: Tensor, use_qk_l2norm: bool, block_v: int) -> dict:
+    return {"L2NORM": use_qk_l2norm, "BLOCK_E": max(16, triton.next_power_of_2(g_ring.shape[2])),
+            "BLOCK_K": max(16, triton.next_power_of_2(state.shape[2])), "BLOCK_V": block_v, "PRECISION": PRECISION}
+
+
+# Persistent flush programs per SM: at 4 warps the sm_90 build takes 255 registers (no spills), so two
+# are resident on an SM. Not tuned on a GPU.
+FLUSH_PROGRAMS_PER_SM = 2
+
+
+def _flush(state: Tensor, k_ring: Tensor, delta_ring: Tensor, g_ring: Tensor, ring_start: Tensor, history: Tensor,
+           is_flush: Tensor, slots: Tensor, use_qk_l2norm: bool, block_v: int) -> None:
+    """Folds every flushing row's history into its checkpoint, IN PLACE: a fixed grid (a CUDA graph
+    captures it) of persistent programs that share out the flushing rows' (head, V tile) items."""
+    (hv, dk, dv), hk, ring_len = state.shape[1:], k_ring.shape[1], g_ring.shape[2]
+    programs = 4 if state.device.type != "cuda" else (  # the interpreter: a few exercise the item loop
+        torch.cuda.get_device_properties(state.device).multi_processor_count * FLUSH_PROGRAMS_PER_SM)
+    _replay_gdn_flush_kernel[(programs,)](
+        state, k_ring, delta_ring, g_ring, ring_start, history, is_flush, slots,
+        slots.shape[0], ring_len, dk, dv, hv, hv // hk, *_pool_strides(state, k_ring, delta_ring, g_ring),
+        BLOCK_ROWS=max(16, triton.next_power_of_2(slots.shape[0])),
+        **_fold_sizes(state, g_ring, use_qk_l2norm, block_v), num_warps=4,
+    )
 
 
 def replay_gdn_step_triton(
-    state: Tensor, k_ring: Tensor, v_ring: Tensor, g_ring: Tensor, beta_ring: Tensor,
+    state: Tensor, k_ring: Tensor, delta_ring: Tensor, g_ring: Tensor,
     ring_start: Tensor, history: Tensor, is_flush: Tensor, slots: Tensor, num_tokens: Tensor,
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-    scale: float | None = None, use_qk_l2norm: bool = False, v_groups: int | None = None,
+    scale: float | None = None, use_qk_l2norm: bool = False, block_v: int | None = None,
 ) -> Tensor:
     """``replay_gdn_step_ref`` on GPU (or the Triton interpreter): the read kernel, then the flush.
 
     Shapes as the reference: the pool (``replay_gdn`` module docstring), cursors (S,), slots (rows,)
     int64 (-1 or a pad slot for padding), num_tokens (rows,) int, q, k (rows, T, Hk, K),
     v (rows, T, Hv, V), g, beta (rows, T, Hv). Returns o (rows, T, Hv, V) in v's dtype. The pool's
-    shapes are checked by the entry point (``replay_gdn.replay_gdn_step``). v_groups: programs per
-    (row, head), each over V / v_groups columns (None: chosen by the batch).
+    shapes are checked by the entry point (``replay_gdn.replay_gdn_step``). block_v: state columns
+    per program (None: about 4K state elements per program).
     """
     (hv, dk, dv), hk, ring_len = state.shape[1:], k_ring.shape[1], g_ring.shape[2]
     rows, tokens = v.shape[:2]
@@ -270,40 +355,40 @@ def replay_gdn_step_triton(
     o = torch.empty_like(v)
     if rows == 0:
         return o
-    v_groups, blocks = _blocks(ring_len, dk, dv, rows * hv, v_groups)
-    grid = (v_groups, hv, rows)
-    pool = _pool_strides(state, k_ring, v_ring, g_ring, beta_ring)
-    _replay_gdn_read_kernel[grid](
-        state, k_ring, v_ring, g_ring, beta_ring, ring_start, history, slots, num_tokens, q, k, v, g, beta, o,
-        dk ** -0.5 if scale is None else scale, tokens, ring_len, dk, dv, hv // hk, *pool,
+    block_v = _block_v(dk, dv, block_v)
+    block_t = 1 if tokens == 1 else max(16, triton.next_power_of_2(tokens))
+    block_k = max(16, triton.next_power_of_2(dk))
+    _replay_gdn_read_kernel[(triton.cdiv(dv, block_v), hv, rows)](
+        state, k_ring, delta_ring, g_ring, ring_start, history, slots, num_tokens, q, k, v, g, beta, o,
+        dk ** -0.5 if scale is None else scale, tokens, ring_len, dk, dv, hv // hk,
+        *_pool_strides(state, k_ring, delta_ring, g_ring),
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *o.stride(),
-        L2NORM=use_qk_l2norm, BLOCK_T=max(16, triton.next_power_of_2(tokens)), num_warps=4, **blocks,
+        L2NORM=use_qk_l2norm, BLOCK_E=max(16, triton.next_power_of_2(ring_len)), BLOCK_T=block_t,
+        BLOCK_K=block_k, BLOCK_C=block_k if block_t == 1 else min(32, block_k), BLOCK_V=block_v, DOT=block_t >= 16,
+        PRECISION=PRECISION, num_warps=4 if block_t == 1 else 8,  # sm_90, K = V = 128: no spills either way
     )
-    _replay_gdn_fold_kernel[grid](
-        state, k_ring, v_ring, g_ring, beta_ring, ring_start, history, is_flush, slots, None, None, None, None,
-        ring_len, dk, dv, hv // hk, *pool, FLUSH=True, L2NORM=use_qk_l2norm, num_warps=4, **blocks,
-    )
+    _flush(state, k_ring, delta_ring, g_ring, ring_start, history, is_flush, slots, use_qk_l2norm, block_v)
     return o
 
 
-def replay_gdn_materialize_triton(state: Tensor, k_ring: Tensor, v_ring: Tensor, g_ring: Tensor, beta_ring: Tensor,
+def replay_gdn_materialize_triton(state: Tensor, k_ring: Tensor, delta_ring: Tensor, g_ring: Tensor,
                                   src: Tensor, dst: Tensor, ring_start: Tensor, n: Tensor,
-                                  use_qk_l2norm: bool = False, v_groups: int | None = None) -> None:
+                                  use_qk_l2norm: bool = False, block_v: int | None = None) -> None:
     """``replay_gdn_materialize_ref`` on GPU: src, dst (rows,) int64, ring_start, n (rows,) int32;
-    v_groups as in ``replay_gdn_step_triton``.
+    block_v as in ``replay_gdn_step_triton``.
 
     Each program reads its source tile before writing its destination tile, so a row may fold in
     place (src == dst); a row's dst must not be another row's src.
     """
-    (hv, dk, dv), hk, ring_len = state.shape[1:], k_ring.shape[1], g_ring.shape[2]
     if src.dim() != 1 or any(t.shape != src.shape for t in (dst, ring_start, n)):
         raise ValueError(f"src, dst, ring_start, n must all be (rows,), got {tuple(src.shape)}, {tuple(dst.shape)}, "
                          f"{tuple(ring_start.shape)}, {tuple(n.shape)}")
     if src.shape[0] == 0:
         return
-    v_groups, blocks = _blocks(ring_len, dk, dv, src.shape[0] * hv, v_groups)
-    _replay_gdn_fold_kernel[(v_groups, hv, src.shape[0])](
-        state, k_ring, v_ring, g_ring, beta_ring, None, None, None, None, src, dst, ring_start, n,
-        ring_len, dk, dv, hv // hk, *_pool_strides(state, k_ring, v_ring, g_ring, beta_ring),
-        FLUSH=False, L2NORM=use_qk_l2norm, num_warps=4, **blocks,
+    (hv, dk, dv), hk = state.shape[1:], k_ring.shape[1]
+    block_v = _block_v(dk, dv, block_v)
+    _replay_gdn_materialize_kernel[(triton.cdiv(dv, block_v), hv, src.shape[0])](
+        state, k_ring, delta_ring, g_ring, src, dst, ring_start, n, g_ring.shape[2], dk, dv, hv // hk,
+        *_pool_strides(state, k_ring, delta_ring, g_ring), **_fold_sizes(state, g_ring, use_qk_l2norm, block_v),
+        num_warps=8,  # sm_90: 122 registers, where 4 warps take 223
     )

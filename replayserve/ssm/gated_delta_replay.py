@@ -1,4 +1,4 @@
-"""The ReplaySSM Gated DeltaNet backend: a checkpoint plus rings of recent (k, v, g, beta); the state
+"""The ReplaySSM Gated DeltaNet backend: a checkpoint plus rings of recent (k, delta, g); the state
 is written on a flush (docs/replayssm.md, section Gated DeltaNet).
 
 Prefill (shared with the baseline, `gated_delta_backend`) writes canonical state into the
@@ -27,18 +27,17 @@ class GatedDeltaReplayBackend(ReplayCursors, GatedDeltaBackend):
         check_replay_window(layout.window, layout.tokens_per_step)  # EngineConfig's check, for hand-made layouts
         super().__init__(layout, device)
         self.k_ring = self._pool(layout.k_ring_shape, layout.act_dtype)
-        self.v_ring = self._pool(layout.v_ring_shape, layout.act_dtype)
+        self.delta_ring = self._pool(layout.delta_ring_shape, layout.state_dtype)
         self.g_ring = self._pool(layout.gate_ring_shape, layout.state_dtype)
-        self.beta_ring = self._pool(layout.gate_ring_shape, layout.state_dtype)
         self._init_cursors(device)
 
     def state_tensors(self) -> list[torch.Tensor]:
-        return [*self.conv_state, *self.ssm_state, *self.k_ring, *self.v_ring, *self.g_ring, *self.beta_ring,
+        return [*self.conv_state, *self.ssm_state, *self.k_ring, *self.delta_ring, *self.g_ring,
                 self.ring_start, self.history, self.is_flush]
 
     def _rings(self, layer: int) -> tuple[torch.Tensor, ...]:
-        """One layer's pool as the ops take it: the checkpoint, then the k, v, g and beta rings."""
-        return self.ssm_state[layer], self.k_ring[layer], self.v_ring[layer], self.g_ring[layer], self.beta_ring[layer]
+        """One layer's pool as the ops take it: the checkpoint, then the k, delta and g rings."""
+        return self.ssm_state[layer], self.k_ring[layer], self.delta_ring[layer], self.g_ring[layer]
 
     def reset_slots(self, slots: torch.Tensor) -> None:
         for t in self.state_tensors():
@@ -49,7 +48,7 @@ class GatedDeltaReplayBackend(ReplayCursors, GatedDeltaBackend):
         prefix hit's source is a boundary slot, which `publish` materialized (zero cursors): the
         destination then starts with empty history, and its rings are never read before written."""
         super().copy_slots(src, dst)
-        for t in (*self.k_ring, *self.v_ring, *self.g_ring, *self.beta_ring):
+        for t in (*self.k_ring, *self.delta_ring, *self.g_ring):
             copy_rows(t, src, t, dst)
         for cursor in self.cursors:
             cursor.index_copy_(0, dst, cursor.index_select(0, src))

@@ -235,13 +235,13 @@ class GatedDeltaLayout:
         return (self.num_slots, self.num_key_heads, self.ring_len, self.key_dim)
 
     @property
-    def v_ring_shape(self) -> tuple[int, int, int, int]:
-        """(slots, Hv, R, V), activation dtype."""
+    def delta_ring_shape(self) -> tuple[int, int, int, int]:
+        """(slots, Hv, R, V), state dtype: each token's correction delta (ops/replay_gdn.py)."""
         return (self.num_slots, self.num_value_heads, self.ring_len, self.value_dim)
 
     @property
     def gate_ring_shape(self) -> tuple[int, int, int]:
-        """(slots, Hv, R), state dtype: the g ring and the beta ring each."""
+        """(slots, Hv, R), state dtype: the g ring (log decays)."""
         return (self.num_slots, self.num_value_heads, self.ring_len)
 
     @property
