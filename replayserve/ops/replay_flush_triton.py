@@ -33,6 +33,21 @@ from replayserve.ops.replay_cursors_triton import flag_bytes
 
 
 @triton.jit
+def flushing_rows(slots_ptr, flush_ptr, hist_ptr, rows, BLOCK_ROWS: tl.constexpr):
+    """The step's flushing rows (flag set and a history to fold), in row order, for persistent flush
+    programs: (slots, padding rows at 0; the flushing mask; the running count, so that the f-th
+    flushing row is where it reaches f + 1; how many flush). Shared by the Mamba2 and GDN flushes."""
+    offs_r = tl.arange(0, BLOCK_ROWS)
+    slot_r = tl.load(slots_ptr + offs_r, mask=offs_r < rows, other=-1).to(tl.int64)
+    real = slot_r >= 0
+    safe = tl.where(real, slot_r, 0)
+    flush = real & (tl.load(flush_ptr + safe, mask=real, other=0) != 0)
+    flush = flush & (tl.load(hist_ptr + safe, mask=flush, other=0) > 0)
+    rank = tl.cumsum(flush.to(tl.int32), axis=0)
+    return safe, flush, rank, tl.sum(flush.to(tl.int32), axis=0)
+
+
+@triton.jit
 def fold_history_tile(st_row, br_row, xh, dh, to_end, g_m, a, hist, ph, mask_p, dstate, s_st_n, s_br_r, s_br_n,
                       BLOCK_N: tl.constexpr, FOLD_N: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr):
     """The flush of one (BLOCK_P, N) checkpoint tile, IN PLACE, in tile form (module docstring):
@@ -73,15 +88,7 @@ def _replay_flush_kernel(
     BLOCK_ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
     FOLD_N: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # The step's flushing rows, in row order: the f-th is the row where the running count reaches f + 1.
-    offs_r = tl.arange(0, BLOCK_ROWS)
-    slot_r = tl.load(slots_ptr + offs_r, mask=offs_r < rows, other=-1).to(tl.int64)
-    real = slot_r >= 0
-    safe = tl.where(real, slot_r, 0)
-    flush = real & (tl.load(flush_ptr + safe, mask=real, other=0) != 0)
-    flush = flush & (tl.load(hist_ptr + safe, mask=flush, other=0) > 0)
-    rank = tl.cumsum(flush.to(tl.int32), axis=0)
-    count = tl.sum(flush.to(tl.int32), axis=0)
+    safe, flush, rank, count = flushing_rows(slots_ptr, flush_ptr, hist_ptr, rows, BLOCK_ROWS)
     pblocks = tl.cdiv(dim, BLOCK_P)
     per_row = nheads * pblocks
     jh = tl.arange(0, BLOCK_W)

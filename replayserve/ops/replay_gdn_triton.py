@@ -39,6 +39,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from replayserve.ops.replay_flush_triton import flushing_rows
+
 
 @triton.jit
 def _mm(a, b, DOT: tl.constexpr, PRECISION: tl.constexpr):
@@ -246,14 +248,7 @@ def _replay_gdn_flush_kernel(
     # Persistent programs, as the Mamba2 flush's: each lists the step's flushing rows (about one in W:
     # a few hundred flags), the f-th being the row where the running count reaches f + 1, then takes
     # (flushing row, head, V tile) items in turn. No program is spent on a row that does not flush.
-    offs_r = tl.arange(0, BLOCK_ROWS)
-    slot_r = tl.load(slots_ptr + offs_r, mask=offs_r < rows, other=-1).to(tl.int64)
-    real = slot_r >= 0
-    safe = tl.where(real, slot_r, 0)
-    flush = real & (tl.load(is_flush_ptr + safe, mask=real, other=0) != 0)
-    flush = flush & (tl.load(history_ptr + safe, mask=flush, other=0) > 0)
-    rank = tl.cumsum(flush.to(tl.int32), axis=0)
-    count = tl.sum(flush.to(tl.int32), axis=0)
+    safe, flush, rank, count = flushing_rows(slots_ptr, is_flush_ptr, history_ptr, rows, BLOCK_ROWS)
     v_tiles = tl.cdiv(dv, BLOCK_V)
     per_row = num_heads * v_tiles
     for item in tl.range(tl.program_id(0), count * per_row, tl.num_programs(0), num_stages=1):

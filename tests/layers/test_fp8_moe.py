@@ -22,6 +22,7 @@ from replayserve.models.fp8_loading import quantize_model_fp8
 from replayserve.models.quantization import QuantConfig, QuantizationError
 from replayserve.ops.dispatch import force_triton
 from replayserve.ops.fp8 import FP8_DTYPE, dequantize_fp8
+from tests.graph_capture import capture
 
 ALL = QuantConfig("FP8", None, (), "test")
 
@@ -105,14 +106,7 @@ def test_an_fp8_moe_layer_replays_in_a_cuda_graph() -> None:
     moe = holder.mixer
     assert moe.stacked_experts()[0].dtype == FP8_DTYPE
     static_x = torch.randn(4, 64, dtype=torch.bfloat16, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        moe(static_x)  # compiles the kernels outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = moe(static_x)
+    graph, static_out = capture(moe, static_x)
     twin = dequantized_twin(holder, latent=False, shared=96)  # reads the CUDA codes in place
     for seed in range(3):
         static_x.copy_(torch.randn(4, 64, generator=torch.Generator().manual_seed(seed)).to(static_x))

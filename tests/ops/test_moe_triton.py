@@ -27,6 +27,7 @@ from replayserve.ops.moe_route_triton import (
     topk_route_triton,
 )
 from replayserve.ops.moe_triton import GemmConfig, default_config, fused_moe_triton
+from tests.graph_capture import capture
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -292,14 +293,7 @@ def test_moe_layer_replays_in_a_cuda_graph() -> None:
     moe = _random_moe(latent=False).to(torch.bfloat16).cuda()
     moe.gate.float()
     static_x = torch.randn(8, 64, dtype=torch.bfloat16, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        moe(static_x)  # compiles the kernels outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = moe(static_x)
+    graph, static_out = capture(moe, static_x)
     for seed in range(3):
         static_x.copy_(torch.randn(8, 64, generator=torch.Generator().manual_seed(seed)).to(static_x))
         graph.replay()
