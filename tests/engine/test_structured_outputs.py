@@ -30,13 +30,13 @@ def code_llm() -> LLM:
 
 
 def test_a_nested_schema_holds_in_every_sample_where_the_model_alone_writes_no_json(code_llm: LLM) -> None:
-    params = SamplingParams(n=50, temperature=1.0, seed=0, max_tokens=300,
+    params = SamplingParams(n=24, temperature=1.0, seed=0, max_tokens=300,
                             structured_outputs=StructuredOutputsParams(json=SCHEMA))
     completions = code_llm.generate("def area(r):", params, use_tqdm=False)[0].outputs
     assert all(valid_json(c.text) for c in completions), [c.text for c in completions if not valid_json(c.text)]
     assert all(c.finish_reason == "stop" for c in completions)
-    assert len({c.text for c in completions}) > 40, "samples differ: the grammar masks, it does not dictate"
-    alone = code_llm.generate("def area(r):", SamplingParams(n=50, temperature=1.0, seed=0, max_tokens=120),
+    assert len({c.text for c in completions}) > 19, "samples differ: the grammar masks, it does not dictate"
+    alone = code_llm.generate("def area(r):", SamplingParams(n=24, temperature=1.0, seed=0, max_tokens=120),
                               use_tqdm=False)[0].outputs
     assert sum(valid_json(c.text) for c in alone) == 0
     assert_pools_full(code_llm)

@@ -23,7 +23,7 @@ pytest.importorskip("xgrammar")
 
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
 MESSAGES = [{"role": "user", "content": "def describe(person):"}]
-SAMPLES = 50
+SAMPLES = 24  # enough to see the masks hold across samples; 50 took 30-40 s a test on CI's 2 cores
 # Two servers, not the four combinations: the engine's own tests (tests/structured/, tests/engine/)
 # cross every backend with speculation on and off; here the plainest engine and the one whose
 # grammar-cut drafts roll back by cursor, so that CI stays under its time budget.
@@ -62,7 +62,7 @@ def test_a_nested_schema_holds_in_every_chat_sample(client: OpenAI, code_server:
                                               seed=0, max_tokens=300, response_format=RESPONSE_FORMAT)
     texts = [c.message.content for c in response.choices]
     assert all(valid_json(t) for t in texts), [t for t in texts if not valid_json(t)]
-    assert {c.finish_reason for c in response.choices} == {"stop"} and len(set(texts)) > 40
+    assert {c.finish_reason for c in response.choices} == {"stop"} and len(set(texts)) > SAMPLES * 4 // 5
     code_server.assert_pools_full()
 
 
