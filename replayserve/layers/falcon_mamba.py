@@ -1,7 +1,8 @@
 """Falcon-H1's Mamba2 mixer: Nemotron-H's, with muP multipliers on its input (`ssm_in_multiplier`)
-and on each section of in_proj's output (`ssm_multipliers`: z, x, B, C, dt), and its own gated
-norm: none (y * silu(z)) or a grouped RMS norm before or after the gate (`mamba_rms_norm`,
-`mamba_norm_before_gate`)."""
+and on each section of in_proj's output (`ssm_multipliers`: z, x, B, C, dt), folded into in_proj
+once the weights are loaded (`fold_multipliers_`), and its own gated norm: none (y * silu(z)) or a
+grouped RMS norm before or after the gate (`mamba_rms_norm`, `mamba_norm_before_gate`; after the
+gate it is Nemotron-H's, the project's fused op)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from replayserve.config import ModelConfig
+from replayserve.layers.fold import scale_rows_
 from replayserve.layers.mamba2 import Mamba2Mixer
+from replayserve.layers.norm import GatedRMSNorm
 from replayserve.ops.dtypes import compute_dtype
 
 
@@ -49,33 +52,24 @@ class FalconGatedRMSNorm(nn.Module):
 
 
 class FalconMamba2Mixer(Mamba2Mixer):
-    fused_in_proj = False  # the multipliers sit between in_proj and the conv
-
     def __init__(self, cfg: ModelConfig, mamba_index: int) -> None:
         super().__init__(cfg, mamba_index)
         inner = cfg.mamba_intermediate_size
-        self.norm = (FalconGatedRMSNorm(inner, cfg.n_groups, cfg.layer_norm_epsilon, cfg.mamba_norm_before_gate)
-                     if cfg.mamba_rms_norm else GateOnly())
+        self.norm: nn.Module = GateOnly()
+        if cfg.mamba_rms_norm and cfg.mamba_norm_before_gate:
+            self.norm = FalconGatedRMSNorm(inner, cfg.n_groups, cfg.layer_norm_epsilon, norm_before_gate=True)
+        elif cfg.mamba_rms_norm:
+            self.norm = GatedRMSNorm(inner, inner // cfg.n_groups, cfg.layer_norm_epsilon)
         self.in_multiplier = cfg.ssm_in_multiplier
         groups_state = cfg.n_groups * cfg.ssm_state_size
         self.section_sizes = (inner, inner, groups_state, groups_state, cfg.mamba_num_heads)
         self.section_multipliers = cfg.ssm_multipliers or (1.0,) * 5
-        self._scale_on: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
-    def _scale(self, like: torch.Tensor) -> torch.Tensor:
-        """(inner + conv_dim + heads,) in like's dtype, made on its device by kernels there and kept:
-        not a buffer, which the loader's meta-device build would leave uninitialised. Not kept when
-        first made inside a CUDA-graph capture (its memory would belong to the graph's pool)."""
-        key = (like.device, like.dtype)
-        scale = self._scale_on.get(key)
-        if scale is None:
-            sections = zip(self.section_sizes, self.section_multipliers, strict=True)
-            scale = torch.cat([torch.full((n,), m, dtype=torch.float32, device=like.device)
-                               for n, m in sections]).to(like.dtype)
-            if not (like.is_cuda and torch.cuda.is_current_stream_capturing()):
-                self._scale_on[key] = scale
-        return scale
-
-    def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        proj = self.in_proj(hidden * self.in_multiplier)
-        return proj * self._scale(proj)
+    def fold_multipliers_(self) -> None:
+        """in_proj(x * in) * s per section = (in * s) W x + s b: scales in_proj's rows (and its bias's,
+        by s alone) in place. The sections are this mixer's (a tensor-parallel rank's own)."""
+        weight = self.in_proj.weight
+        wide = torch.promote_types(weight.dtype, torch.float32)
+        rows = torch.cat([torch.full((n,), m, dtype=wide, device=weight.device)
+                          for n, m in zip(self.section_sizes, self.section_multipliers, strict=True)])
+        scale_rows_(self.in_proj, rows * self.in_multiplier, bias_factor=rows)

@@ -10,10 +10,8 @@ from torch import nn
 
 from replayserve.config import ModelConfig
 from replayserve.layers.linear import Linear
-
-# Up to this many tokens the CUDA path runs every expert densely (graph-safe; E / top_k times the
-# routed FLOPs, which decode batches afford); grouped SwiGLU expert kernels are not written yet.
-DENSE_MAX_TOKENS = 256
+from replayserve.ops.dispatch import use_triton
+from replayserve.ops.moe import fused_moe_ref
 
 
 class SharedMLP(nn.Module):
@@ -44,7 +42,8 @@ class Router(nn.Module):
 
 
 class SoftmaxMoE(nn.Module):
-    """Top-k experts by router logit, weighted by the softmax over the chosen k (float32)."""
+    """Top-k experts by router logit, weighted by the softmax over the chosen k (float32, then cast to
+    x's dtype: transformers' GraniteMoeHybridTopKGating), SwiGLU experts."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -54,43 +53,46 @@ class SoftmaxMoE(nn.Module):
         self.input_linear = ExpertWeights(num, 2 * inner, cfg.hidden_size)
         self.output_linear = ExpertWeights(num, cfg.hidden_size, inner)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, hidden) -> (T, hidden). On the CPU, and on CUDA above DENSE_MAX_TOKENS tokens, the
-        per-expert loop transformers runs (it reads the chosen experts back to the host); on CUDA up
-        to DENSE_MAX_TOKENS tokens (decode steps) and in any CUDA-graph capture, every expert on every
-        token with the unchosen ones weighted 0: no host sync, so CUDA graphs capture it."""
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, hidden) -> expert ids (T, top_k) int64, weights (T, top_k) in x.dtype. Softmax over the
+        top-k logits is softmax-then-top-k renormalised over the k; the logits' own top-k is one sort fewer."""
         logits = F.linear(x, self.router.layer.weight).float()
-        top_logits, top_ids = logits.topk(self.top_k, dim=-1)
-        weights = torch.softmax(top_logits, dim=-1).to(x.dtype)
-        if x.is_cuda and (x.shape[0] <= DENSE_MAX_TOKENS or torch.cuda.is_current_stream_capturing()):
-            dense = torch.zeros_like(logits, dtype=x.dtype).scatter_(1, top_ids, weights)  # (T, E)
-            gate, up = torch.matmul(x, self.input_linear.weight.transpose(1, 2)).chunk(2, dim=-1)  # (E, T, I)
-            y = torch.matmul(F.silu(gate) * up, self.output_linear.weight.transpose(1, 2))  # (E, T, hidden)
-            return (y * dense.t()[:, :, None]).sum(0)
-        out = torch.zeros_like(x)
-        for expert in top_ids.unique().tolist():
-            token, slot = torch.where(top_ids == expert)
-            gate, up = F.linear(x[token], self.input_linear.weight[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.output_linear.weight[expert]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
+        top_logits, ids = logits.topk(self.top_k, dim=-1)
+        return ids, torch.softmax(top_logits, dim=-1).to(x.dtype)
+
+    @torch.no_grad()
+    def warm_up(self, max_tokens: int) -> None:
+        """The forward on zeros at every token count from 1 to `max_tokens` (startup warm-up: the
+        alignment's and the GEMM tiles' kernel variants follow the count, as `layers.mlp.MoE.warm_up`
+        says), outputs dropped."""
+        weight = self.router.layer.weight
+        x = torch.zeros(max_tokens, weight.shape[1], dtype=self.input_linear.weight.dtype, device=weight.device)
+        for n in range(1, max_tokens + 1):
+            self.forward(x[:n])
+
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """x (T, hidden) -> (T, hidden), plus `add` (the shared MLP's output) when given. On CUDA the
+        grouped-GEMM Triton experts (`ops.moe_triton`, silu(gate) * up in the up GEMM's epilogue, `add`
+        summed in the same kernel; no host sync, CUDA-graph safe); elsewhere the per-expert reference."""
+        ids, weights = self.route(x)
+        w_up, w_down = self.input_linear.weight, self.output_linear.weight
+        if use_triton(x):
+            from replayserve.ops.moe_triton import fused_moe_triton
+
+            return fused_moe_triton(x, w_up, w_down, ids, weights, add=add, swiglu=True)
+        routed = fused_moe_ref(x, w_up, w_down, ids, weights, swiglu=True)
+        return routed if add is None else routed + add
 
 
 class SwiGLUMLP(nn.Module):
-    """Bamba's and Falcon-H1's MLP: down(up(x) * silu(gate(x) * gate_multiplier)) * down_multiplier,
-    three projections (the multipliers are Falcon-H1's `mlp_multipliers`; 1 for Bamba)."""
+    """Bamba's, Falcon-H1's and the Qwen experts' MLP: down(up(x) * silu(gate(x))), three projections
+    (Falcon-H1's `mlp_multipliers` are folded into gate_proj and down_proj: `layers/fold.py`)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
-                 multipliers: tuple[float, ...] = ()) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
         self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
-        self.gate_multiplier, self.down_multiplier = multipliers or (1.0, 1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x)
-        if self.gate_multiplier != 1.0:
-            gate = gate * self.gate_multiplier
-        out = self.down_proj(self.up_proj(x) * F.silu(gate))
-        return out if self.down_multiplier == 1.0 else out * self.down_multiplier
+        return self.down_proj(self.up_proj(x) * F.silu(self.gate_proj(x)))

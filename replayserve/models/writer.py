@@ -17,6 +17,9 @@ def checkpoint_state(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Te
     parameter and buffer (the routers' `e_score_correction_bias` too), the LM head once when tied.
     MoE routers keep their float32 weights in a half checkpoint, as transformers saves them. The
     backbone's prefix is the family's (`checkpoint_prefix`: `model.` for Granite 4.0-H)."""
+    if getattr(model, "multipliers_folded", False):
+        raise ValueError(f"{type(model).__name__} has its multipliers folded into its weights (layers/fold.py): "
+                         "write the model before fold_multipliers_() runs, or reload it from its checkpoint")
     keep_wide = {n for n in model.state_dict() if ".gate." in n}
     prefix = getattr(model, "checkpoint_prefix", "backbone.")
     state = {}

@@ -84,15 +84,18 @@ def topk_route(logits: Tensor, bias: Tensor, top_k: int, n_group: int, topk_grou
     return topk_route_ref(logits, bias, top_k, n_group, topk_group, norm_topk_prob, scaling)
 
 
-def fused_moe_ref(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
-    """The routed experts' sum: sum_k weights[t, k] * down_e(relu(up_e(x[t]))^2) with e = ids[t, k].
+def fused_moe_ref(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weights: Tensor,
+                  swiglu: bool = False) -> Tensor:
+    """The routed experts' sum: sum_k weights[t, k] * down_e(act(up_e(x[t]))) with e = ids[t, k].
 
     Arguments:
         x: (T, W) the experts' input (hidden or latent width).
-        w_up: (E, I, W) up projections, nn.Linear layout, x's dtype.
+        w_up: (E, I, W) up projections, nn.Linear layout, x's dtype; with `swiglu` (E, 2I, W), the
+            gate's I rows then the up's (Granite 4.0-H's `input_linear`).
         w_down: (E, W, I) down projections.
         ids: (T, top_k) integer expert ids.
         weights: (T, top_k) routing weights (float32 for half models).
+        swiglu: act is silu(gate) * up; else relu^2 (Nemotron-H's).
 
     Returns:
         (T, W) in weights.dtype: each expert runs in x's dtype, its output is weighted and summed
@@ -101,6 +104,12 @@ def fused_moe_ref(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weights:
     routed = torch.zeros_like(x, dtype=weights.dtype)
     for e in ids.unique().tolist():
         token, k = (ids == e).nonzero(as_tuple=True)
-        out = F.linear(relu_square_ref(F.linear(x[token], w_up[e])), w_down[e]) * weights[token, k, None]
+        up = F.linear(x[token], w_up[e])
+        if swiglu:
+            gate, up = up.chunk(2, dim=-1)
+            inner = F.silu(gate) * up
+        else:
+            inner = relu_square_ref(up)
+        out = F.linear(inner, w_down[e]) * weights[token, k, None]
         routed.index_add_(0, token, out.to(routed.dtype))
     return routed

@@ -33,7 +33,7 @@ def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
     num_pairs, n_out, k_in, pairs_per_row,
     s_a_r, s_a_k, s_w_e, s_w_n, s_w_k, s_o_p, s_o_n,
-    RELU2: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr,
+    ACT: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -48,16 +48,25 @@ def _grouped_gemm_kernel(
     a_ptrs = a_ptr + row[:, None] * s_a_r + offs_k[None, :] * s_a_k
     w_ptrs = w_ptr + expert * s_w_e + offs_n[None, :].to(tl.int64) * s_w_n + offs_k[:, None] * s_w_k
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # SwiGLU's up half: rows n_out + n of the weight
     for k0 in range(0, k_in, BLOCK_K):
         in_k = offs_k < k_in - k0
         a = tl.load(a_ptrs, mask=live[:, None] & in_k[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=in_k[:, None] & (offs_n[None, :] < n_out), other=0.0)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if ACT == 2:
+            w_up = tl.load(w_ptrs + n_out * s_w_n, mask=in_k[:, None] & (offs_n[None, :] < n_out), other=0.0)
+            up = tl.dot(a, w_up, up, input_precision=PRECISION)
         a_ptrs += BLOCK_K * s_a_k
         w_ptrs += BLOCK_K * s_w_k
-    if RELU2:
+    if ACT == 1:  # relu^2
         acc = tl.maximum(acc, 0.0)
         acc = acc * acc
+    if ACT == 2:  # silu(gate) * up, each half rounded to x's dtype first as the reference's linear rounds it
+        gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+        acc = silu * up
     if WEIGHTED:
         acc = acc * tl.load(weights_ptr + pair, mask=live, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * s_o_p + offs_n[None, :] * s_o_n
@@ -108,12 +117,12 @@ def default_config(num_pairs: int, num_experts: int) -> GemmConfig:
 
 def fused_moe_triton(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weights: Tensor,
                      add: Tensor | None = None, config: GemmConfig | None = None,
-                     aligned: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
+                     aligned: tuple[Tensor, Tensor, Tensor] | None = None, swiglu: bool = False) -> Tensor:
     """``fused_moe_ref`` on the GPU, rounded to x's dtype, plus ``add`` (the shared expert).
 
     Arguments:
         x: (T, W) fp32, bf16 or fp16, rows may be strided.
-        w_up: (E, I, W) in x's dtype, any strides.
+        w_up: (E, I, W) in x's dtype, any strides; (E, 2I, W) gate then up with `swiglu`.
         w_down: (E, W, I) in x's dtype.
         ids: (T, top_k) integer expert ids.
         weights: (T, top_k) routing weights.
@@ -122,12 +131,14 @@ def fused_moe_triton(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weigh
         config: the GEMMs' tiles; by default ``default_config`` of the shapes.
         aligned: ``align_by_expert(ids, E, config.block_m)`` when the caller has it (the decode
             router makes it in its routing kernel).
+        swiglu: silu(gate) * up experts (Granite 4.0-H's) instead of relu^2.
 
     Returns:
         (T, W) contiguous in x.dtype.
     """
     num_tokens, width = x.shape
     num_experts, inner, _ = w_up.shape
+    inner //= 2 if swiglu else 1
     top_k = ids.shape[1]
     if w_up.shape[2] != width or w_down.shape != (num_experts, width, inner):
         raise ValueError(f"w_up {tuple(w_up.shape)} / w_down {tuple(w_down.shape)} do not fit x of width {width}")
@@ -146,12 +157,12 @@ def fused_moe_triton(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weigh
     inter = torch.empty(num_pairs, inner, dtype=x.dtype, device=x.device)
     _grouped_gemm_kernel[(block_expert.numel(), triton.cdiv(inner, cfg.block_n))](
         x, w_up, inter, weights, sorted_pairs, block_expert, num_padded, num_pairs, inner, width, top_k,
-        *x.stride(), *w_up.stride(), *inter.stride(), RELU2=True, WEIGHTED=False, **common,
+        *x.stride(), *w_up.stride(), *inter.stride(), ACT=2 if swiglu else 1, WEIGHTED=False, **common,
     )
     per_pair = torch.empty(num_pairs, width, dtype=x.dtype, device=x.device)
     _grouped_gemm_kernel[(block_expert.numel(), triton.cdiv(width, cfg.block_n))](
         inter, w_down, per_pair, weights, sorted_pairs, block_expert, num_padded, num_pairs, width, inner, 1,
-        *inter.stride(), *w_down.stride(), *per_pair.stride(), RELU2=False, WEIGHTED=True, **common,
+        *inter.stride(), *w_down.stride(), *per_pair.stride(), ACT=0, WEIGHTED=True, **common,
     )
     if add is not None and (add.shape != out.shape or add.stride(1) != 1):
         raise ValueError(f"add must be ({num_tokens}, {width}) with unit column stride, got {tuple(add.shape)}")
