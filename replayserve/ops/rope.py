@@ -16,6 +16,27 @@ def rope_inv_freq(rotary_dim: int, theta: float, device: torch.device | str = "c
     return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
 
 
+def rope_cos_sin_ref(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(T, R) cos and sin of positions * inv_freq (each frequency twice, rotate-half order): the angles
+    in float32, cos / sin cast to `dtype`, as transformers computes them. positions (T,) int64,
+    inv_freq (R / 2,) float32. Every layer of a step shares them (`StepContext.rope_tables`)."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(device=positions.device)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope_cos_sin_ref(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotates the first R dimensions of each head by `rope_cos_sin_ref`'s (T, R) cos and sin; the
+    rest pass through. x (T, H, D), R <= D even -> (T, H, D) in x.dtype."""
+    rot_dim = cos.shape[-1]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rot = x[..., :rot_dim]
+    half = rot_dim // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    out = rot * cos + rotated * sin
+    return out if rot_dim == x.shape[-1] else torch.cat((out, x[..., rot_dim:]), dim=-1)
+
+
 def apply_rope_ref(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
     """Rotates the first 2 * len(inv_freq) dimensions of each head; the rest pass through.
 
@@ -28,11 +49,4 @@ def apply_rope_ref(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
         (T, H, D) in x.dtype. The angles are computed in float32 and cos / sin cast to x.dtype
         before the rotation, as transformers does.
     """
-    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(device=x.device)[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
-    rot_dim = emb.shape[-1]
-    rot, rest = x[..., :rot_dim], x[..., rot_dim:]
-    half = rot_dim // 2
-    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-    return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
+    return apply_rope_cos_sin_ref(x, *rope_cos_sin_ref(positions.to(x.device), inv_freq, x.dtype))
