@@ -10,9 +10,10 @@ routers, the MoE latent projections and the MTP's eh_proj are replicated. A row-
 kept on rank 0 alone, so the all-reduce adds it once.
 
 The other Mamba2 hybrids use the same cuts: Granite 4.0-H's `input_linear` (gate and up stacked,
-per expert too) keeps the rank's rows of each half; Falcon-H1's per-section in_proj multipliers
-follow the rank's local z/x/B/C/dt sections, which its mixer, built from the rank's config, sizes.
-Scalar multipliers (embedding, residual, logits, muP) commute with the sums and stay as they are.
+per expert too) keeps the rank's rows of each half. The multipliers (embedding, residual, logits,
+muP) are folded into each rank's slice after it loads (`layers/fold.py`): scalars commute with the
+sums, and Falcon-H1's per-section in_proj multipliers follow the rank's local z/x/B/C/dt sections,
+which its mixer, built from the rank's config, sizes.
 """
 
 from __future__ import annotations
