@@ -15,7 +15,7 @@ from replayserve.config import ModelConfig
 from replayserve.layers.linear import Linear
 from replayserve.layers.step_context import StepContext
 from replayserve.ops.attention import write_kv_and_attend, write_kv_and_attend_decode
-from replayserve.ops.rope import apply_rope_cos_sin_ref, rope_cos_sin_ref, rope_inv_freq
+from replayserve.ops.rope import apply_rope_qk, rope_cos_sin_ref, rope_inv_freq
 
 
 class Attention(nn.Module):
@@ -59,10 +59,14 @@ class Attention(nn.Module):
                 if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
                     self._inv_freq_on[q.device] = inv_freq
             key = (*self.rope, q.dtype)
-            cos_sin = ctx.rope_tables.get(key)
-            if cos_sin is None:  # once a step: every attention layer of a model rotates by the same angles
-                cos_sin = ctx.rope_tables[key] = rope_cos_sin_ref(ctx.positions, inv_freq, q.dtype)
-            q, k = apply_rope_cos_sin_ref(q, *cos_sin), apply_rope_cos_sin_ref(k, *cos_sin)
+
+            def cos_sin() -> tuple[torch.Tensor, torch.Tensor]:
+                """The step's tables, made once: every attention layer rotates by the same angles."""
+                if key not in ctx.rope_tables:
+                    ctx.rope_tables[key] = rope_cos_sin_ref(ctx.positions, inv_freq, q.dtype)
+                return ctx.rope_tables[key]
+
+            q, k = apply_rope_qk(q, k, ctx.positions, inv_freq, cos_sin)
         k_cache, v_cache = kv_cache
         if ctx.uniform_decode:  # fixed shapes, no host sync: the CUDA-graph path
             return write_kv_and_attend_decode(q, k, v, k_cache, v_cache, ctx.slot_mapping, ctx.block_tables,

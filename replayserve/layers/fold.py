@@ -32,15 +32,19 @@ def scale_rows_(linear: nn.Module, factor: float | torch.Tensor, bias_factor: fl
     """Multiplies `linear`'s output by `factor` through its weight and bias in place: a scalar, or an
     (out,) float32 (float64 for a float64 model) vector of per-row factors; the bias by `bias_factor`
     where given (a multiplier of the input scales the weight, not the bias). Each product is computed
-    in float32 or wider and rounded once to the weight's dtype. An FP8 weight is refused (its codes
-    would round again)."""
+    in float32 or wider and rounded once to the weight's dtype. An FP8 Linear (`layers/fp8_linear.py`)
+    takes a scalar in its per-tensor `weight_scale` (its codes would round again); per-row factors
+    are refused there."""
     weight = linear.weight
-    if weight.element_size() == 1:
-        raise NotImplementedError(f"folding a multiplier into the FP8 weight of {type(linear).__name__} is not "
-                                  "supported; load this family from a 16-bit checkpoint")
     bias = getattr(linear, "bias", None)
     with torch.no_grad():
-        _mul_rows_(weight, factor)
+        if weight.element_size() == 1:
+            if not isinstance(factor, float) or bias_factor is not None:
+                raise NotImplementedError(f"per-row multipliers cannot fold into the FP8 weight of "
+                                          f"{type(linear).__name__}; load this family from a 16-bit checkpoint")
+            _mul_rows_(linear.weight_scale, factor)
+        else:
+            _mul_rows_(weight, factor)
         if bias is not None:
             _mul_rows_(bias, factor if bias_factor is None else bias_factor)
 

@@ -1,13 +1,16 @@
-"""Rotary position embedding (RoPE), the rotate-half form of Hugging Face's Llama-style models.
-
-A plain-PyTorch reference only: it runs once per attention layer on q and k, a few elementwise
-kernels beside the projections' GEMMs.
+"""Rotary position embedding (RoPE), the rotate-half form of Hugging Face's Llama-style models: the
+references, and ``apply_rope_qk``, which runs ``rope_triton``'s one launch for q and k where it
+serves (``dispatch.use_triton``) and the reference on the step's shared cos / sin elsewhere.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
+
+from replayserve.ops.dispatch import use_triton
 
 
 def rope_inv_freq(rotary_dim: int, theta: float, device: torch.device | str = "cpu") -> Tensor:
@@ -50,3 +53,16 @@ def apply_rope_ref(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
         before the rotation, as transformers does.
     """
     return apply_rope_cos_sin_ref(x, *rope_cos_sin_ref(positions.to(x.device), inv_freq, x.dtype))
+
+
+def apply_rope_qk(q: Tensor, k: Tensor, positions: Tensor, inv_freq: Tensor,
+                  cos_sin: Callable[[], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """q (T, H, D) and k (T, Hkv, D) rotated as ``apply_rope_ref`` rotates each: by the kernel, in
+    place, where it serves (q and k then must not be read unrotated afterwards); else by the
+    reference on `cos_sin()`, the step's (T, R) ``rope_cos_sin_ref`` tables in q's dtype."""
+    if use_triton(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
+        from replayserve.ops.rope_triton import apply_rope_qk_triton_
+
+        return apply_rope_qk_triton_(q, k, positions, inv_freq)
+    cos, sin = cos_sin()
+    return apply_rope_cos_sin_ref(q, cos, sin), apply_rope_cos_sin_ref(k, cos, sin)
