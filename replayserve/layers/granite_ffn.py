@@ -11,7 +11,7 @@ from torch import nn
 from replayserve.config import ModelConfig
 from replayserve.layers.linear import Linear
 from replayserve.ops.dispatch import use_triton
-from replayserve.ops.moe import fused_moe_ref
+from replayserve.ops.moe import fused_moe_ref, softmax_topk_route_ref
 
 
 class SharedMLP(nn.Module):
@@ -53,13 +53,6 @@ class SoftmaxMoE(nn.Module):
         self.input_linear = ExpertWeights(num, 2 * inner, cfg.hidden_size)
         self.output_linear = ExpertWeights(num, cfg.hidden_size, inner)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (T, hidden) -> expert ids (T, top_k) int64, weights (T, top_k) in x.dtype. Softmax over the
-        top-k logits is softmax-then-top-k renormalised over the k; the logits' own top-k is one sort fewer."""
-        logits = F.linear(x, self.router.layer.weight).float()
-        top_logits, ids = logits.topk(self.top_k, dim=-1)
-        return ids, torch.softmax(top_logits, dim=-1).to(x.dtype)
-
     @torch.no_grad()
     def warm_up(self, max_tokens: int) -> None:
         """The forward on zeros at every token count from 1 to `max_tokens` (startup warm-up: the
@@ -74,13 +67,18 @@ class SoftmaxMoE(nn.Module):
         """x (T, hidden) -> (T, hidden), plus `add` (the shared MLP's output) when given. On CUDA the
         grouped-GEMM Triton experts (`ops.moe_triton`, silu(gate) * up in the up GEMM's epilogue, `add`
         summed in the same kernel; no host sync, CUDA-graph safe); elsewhere the per-expert reference."""
-        ids, weights = self.route(x)
+        logits = F.linear(x, self.router.layer.weight)  # in x's dtype, as transformers computes them
         w_up, w_down = self.input_linear.weight, self.output_linear.weight
-        if use_triton(x):
-            from replayserve.ops.moe_triton import fused_moe_triton
+        if use_triton(x):  # the routing and alignment in one launch for decode steps, then the grouped GEMMs
+            from replayserve.ops.moe_softmax_route_triton import softmax_route_align_triton
+            from replayserve.ops.moe_triton import default_config, fused_moe_triton
 
-            return fused_moe_triton(x, w_up, w_down, ids, weights, add=add, swiglu=True)
-        routed = fused_moe_ref(x, w_up, w_down, ids, weights, swiglu=True)
+            config = default_config(x.shape[0] * self.top_k, w_up.shape[0])
+            ids, weights, aligned = softmax_route_align_triton(logits, self.top_k, config.block_m, x.dtype)
+            return fused_moe_triton(x, w_up, w_down, ids, weights, add=add, config=config, aligned=aligned,
+                                    swiglu=True)
+        ids, weights = softmax_topk_route_ref(logits, self.top_k)
+        routed = fused_moe_ref(x, w_up, w_down, ids, weights.to(x.dtype), swiglu=True)
         return routed if add is None else routed + add
 
 

@@ -84,6 +84,22 @@ def topk_route(logits: Tensor, bias: Tensor, top_k: int, n_group: int, topk_grou
     return topk_route_ref(logits, bias, top_k, n_group, topk_group, norm_topk_prob, scaling)
 
 
+def softmax_topk_route_ref(logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+    """Granite 4.0-H's routing (transformers' GraniteMoeHybridTopKGating): the top-k logits, weighted
+    by the softmax over those k (equal to softmax-then-top-k renormalised over the k).
+
+    Arguments:
+        logits: (T, E) router logits, any float dtype (Granite's are in the hidden states' dtype).
+        top_k: experts per token.
+
+    Returns:
+        ids: (T, top_k) int64, best first.
+        weights: (T, top_k) float32 (the logits cast first).
+    """
+    top, ids = logits.float().topk(top_k, dim=-1)
+    return ids, torch.softmax(top, dim=-1)
+
+
 def fused_moe_ref(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weights: Tensor,
                   swiglu: bool = False) -> Tensor:
     """The routed experts' sum: sum_k weights[t, k] * down_e(act(up_e(x[t]))) with e = ids[t, k].
