@@ -14,6 +14,7 @@ from replayserve.config import ModelConfig
 from replayserve.layers.fold import scale_rows_
 from replayserve.layers.mamba2 import Mamba2Mixer
 from replayserve.layers.norm import GatedRMSNorm
+from replayserve.ops.activation import silu_mul
 from replayserve.ops.dtypes import compute_dtype
 
 
@@ -21,7 +22,7 @@ class GateOnly(nn.Module):
     """y * silu(z) (`mamba_rms_norm: false`): no weight."""
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return x * F.silu(z)
+        return silu_mul(z, x)
 
 
 class FalconGatedRMSNorm(nn.Module):

@@ -10,6 +10,7 @@ from torch import nn
 
 from replayserve.config import ModelConfig
 from replayserve.layers.linear import Linear
+from replayserve.ops.activation import silu_mul
 from replayserve.ops.dispatch import use_triton
 from replayserve.ops.moe import fused_moe_ref, softmax_topk_route_ref
 
@@ -24,7 +25,7 @@ class SharedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.input_linear(x).chunk(2, dim=-1)
-        return self.output_linear(F.silu(gate) * up)
+        return self.output_linear(silu_mul(gate, up))
 
 
 class ExpertWeights(nn.Module):
@@ -93,4 +94,4 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.up_proj(x) * F.silu(self.gate_proj(x)))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
