@@ -2,12 +2,11 @@
 and on each section of in_proj's output (`ssm_multipliers`: z, x, B, C, dt), folded into in_proj
 once the weights are loaded (`fold_multipliers_`), and its own gated norm: none (y * silu(z)) or a
 grouped RMS norm before or after the gate (`mamba_rms_norm`, `mamba_norm_before_gate`; after the
-gate it is Nemotron-H's, the project's fused op)."""
+gate it is Nemotron-H's; both orders are the project's fused op)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from replayserve.config import ModelConfig
@@ -15,7 +14,6 @@ from replayserve.layers.fold import scale_rows_
 from replayserve.layers.mamba2 import Mamba2Mixer
 from replayserve.layers.norm import GatedRMSNorm
 from replayserve.ops.activation import silu_mul
-from replayserve.ops.dtypes import compute_dtype
 
 
 class GateOnly(nn.Module):
@@ -25,42 +23,13 @@ class GateOnly(nn.Module):
         return silu_mul(z, x)
 
 
-class FalconGatedRMSNorm(nn.Module):
-    """RMS norm per group of channels, times the weight, with the silu(z) gate before the norm or
-    after it; computed in the compute dtype and cast back once, as transformers does."""
-
-    def __init__(self, hidden_size: int, n_groups: int, eps: float, norm_before_gate: bool) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.n_groups = n_groups
-        self.eps = eps
-        self.norm_before_gate = norm_before_gate
-
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """x, z (T, D) -> (T, D) in x.dtype."""
-        cdt = compute_dtype(x.dtype)
-        h = x.to(cdt)
-        gate = F.silu(z.to(cdt))
-        if not self.norm_before_gate:
-            h = h * gate
-        groups = h.view(h.shape[0], self.n_groups, -1)
-        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight.view(self.n_groups, -1) * groups
-        h = h.view(x.shape)
-        if self.norm_before_gate:
-            h = h * gate
-        return h.to(x.dtype)
-
-
 class FalconMamba2Mixer(Mamba2Mixer):
     def __init__(self, cfg: ModelConfig, mamba_index: int) -> None:
         super().__init__(cfg, mamba_index)
         inner = cfg.mamba_intermediate_size
         self.norm: nn.Module = GateOnly()
-        if cfg.mamba_rms_norm and cfg.mamba_norm_before_gate:
-            self.norm = FalconGatedRMSNorm(inner, cfg.n_groups, cfg.layer_norm_epsilon, norm_before_gate=True)
-        elif cfg.mamba_rms_norm:
-            self.norm = GatedRMSNorm(inner, inner // cfg.n_groups, cfg.layer_norm_epsilon)
+        if cfg.mamba_rms_norm:
+            self.norm = GatedRMSNorm(inner, inner // cfg.n_groups, cfg.layer_norm_epsilon, cfg.mamba_norm_before_gate)
         self.in_multiplier = cfg.ssm_in_multiplier
         groups_state = cfg.n_groups * cfg.ssm_state_size
         self.section_sizes = (inner, inner, groups_state, groups_state, cfg.mamba_num_heads)

@@ -26,7 +26,7 @@ from torch import nn
 
 from replayserve.config import ModelConfig
 from replayserve.layers.attention import Attention
-from replayserve.layers.falcon_mamba import FalconGatedRMSNorm, GateOnly
+from replayserve.layers.falcon_mamba import GateOnly
 from replayserve.layers.granite_ffn import SharedMLP, SoftmaxMoE, SwiGLUMLP
 from replayserve.layers.mamba2 import Mamba2Mixer
 from replayserve.layers.mlp import MLP, MoE
@@ -141,7 +141,7 @@ class RankShard:
         group_size = cfg.mamba_intermediate_size // cfg.n_groups
         # The rank's channels cut through norm groups (Falcon-H1's gate-only "norm" has none).
         if (shard.num_heads * p) % group_size and not isinstance(mixer.norm, GateOnly):
-            before = isinstance(mixer.norm, FalconGatedRMSNorm) and mixer.norm.norm_before_gate
+            before = getattr(mixer.norm, "norm_before_gate", False)
             mixer.norm = ShardedGatedRMSNorm(shard.num_heads * p, shard.head_start * p, group_size, cfg.n_groups,
                                              cfg.layer_norm_epsilon, norm_before_gate=before)
 
