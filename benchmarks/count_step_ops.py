@@ -1,5 +1,5 @@
 """Counts the kernels one batch-1 decode step's forward launches, per layer, for each Mamba2 family's
-tiny model on the CPU: the non-view aten ops it dispatches (views are free on any device), and with
+tiny model on the CPU: the aten ops it dispatches that launch a kernel (not views or allocations), and with
 --kernels the Triton launches too, the ops' kernels run in Triton's interpreter as the CUDA path
 runs them (`dispatch.force_triton`): a proxy for a CUDA step's kernel count (the batch-1 GEMV
 kernels and CUDA graphs aside, which take the same path on every family).
@@ -26,6 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from replayserve import LLM, SamplingParams
 from replayserve.builtin.tiny import make_tiny
 
+# Aten ops that launch no kernel: allocations and dtype queries.
+NOT_KERNELS = frozenset({"aten::empty.memory_format", "aten::empty_like", "aten::new_empty", "aten::empty_strided",
+                         "aten::promote_types", "aten::result_type.Tensor"})
 # Each family's tiny layer mix (make-tiny's patterns; Falcon-H1 counts layers, each with both mixers).
 PATTERNS = {"nemotron_h": "M*-ME", "granite": "M*MM*M", "bamba": "M*MM*M", "falcon_h1": "MMM"}
 
@@ -49,7 +52,7 @@ class OpCounter(TorchDispatchMode):
         super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if not func.is_view:
+        if not func.is_view and func.name() not in NOT_KERNELS:
             self.ops[func.name()] += 1
         return func(*args, **(kwargs or {}))
 
