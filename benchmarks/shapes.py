@@ -184,8 +184,8 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | st
             p.normal_(0.0, std, generator=gen)
     for buffer in model.buffers():  # to_empty leaves them uninitialised (MoE score-correction bias)
         buffer.zero_()
-    if fold and hasattr(model, "fold_multipliers_"):  # as the loader does (layers/fold.py); not for a checkpoint
-        model.fold_multipliers_()
+    if fold and hasattr(model, "prepare_weights_"):  # as the loader does (layers/fold.py); not for a checkpoint
+        model.prepare_weights_()
     return model.eval()
 
 

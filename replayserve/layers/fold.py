@@ -26,6 +26,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from replayserve.config import ModelConfig
+
+
+def multipliers(cfg: ModelConfig) -> list[float]:
+    """Every multiplier of the config that folds into weights (1 where it does nothing)."""
+    return [cfg.embedding_multiplier, cfg.logits_scaling, cfg.residual_multiplier, cfg.ssm_in_multiplier,
+            cfg.ssm_out_multiplier, cfg.attention_in_multiplier * cfg.attention_out_multiplier,
+            *cfg.ssm_multipliers, *cfg.mlp_multipliers]
+
 
 def scale_rows_(linear: nn.Module, factor: float | torch.Tensor, bias_factor: float | torch.Tensor | None = None
                 ) -> None:

@@ -10,6 +10,7 @@ from torch import nn
 
 from replayserve.config import ModelConfig
 from replayserve.layers.linear import Linear
+from replayserve.layers.stacked import StackedProjection
 from replayserve.ops.activation import silu_mul
 from replayserve.ops.dispatch import use_triton
 from replayserve.ops.moe import fused_moe_ref, softmax_topk_route_ref
@@ -92,6 +93,13 @@ class SwiGLUMLP(nn.Module):
         self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self._gate_up: StackedProjection | None = None
+
+    def stack_projections_(self) -> None:
+        """gate and up as one projection (`layers/stacked.py`), once the weights are final."""
+        gate_up = StackedProjection(self.gate_proj, self.up_proj)
+        self._gate_up = gate_up if gate_up.stack_() else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self._gate_up(x) if self._gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(silu_mul(gate, up))

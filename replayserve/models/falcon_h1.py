@@ -47,6 +47,11 @@ class FalconH1DecoderLayer(nn.Module):
     def ffn(self, normed: torch.Tensor) -> torch.Tensor:
         return self.feed_forward(normed)
 
+    def stack_projections_(self) -> None:
+        """Attention's q, k and v and the MLP's gate and up as one projection each (`layers/stacked.py`)."""
+        self.self_attn.stack_projections_()
+        self.feed_forward.stack_projections_()
+
     def fold_multipliers_(self, cfg: ModelConfig) -> None:
         """The mixers' output multipliers into their output projections, the MLP's into gate_proj
         and down_proj, the SSM's input ones into in_proj (`FalconMamba2Mixer.fold_multipliers_`)."""

@@ -6,7 +6,7 @@ Each decoder layer is a Mamba2 or an attention mixer, then the SwiGLU shared MLP
 the logits divided by `logits_scaling`, the attention scale is `attention_multiplier`, and attention
 has RoPE or none (`position_embedding_type`). The Mamba2 mixer and the attention are Nemotron-H's.
 
-The multipliers are folded into the weights once they are loaded (`fold_multipliers_`, which the
+The multipliers are folded into the weights once they are loaded (`prepare_weights_`, which the
 loader calls; `layers/fold.py` says what folds where), and the forward is Nemotron-H's: each
 residual add fused with the next pre-norm.
 """
@@ -18,7 +18,7 @@ from torch import nn
 
 from replayserve.config import MAMBA, ModelConfig
 from replayserve.layers.attention import Attention
-from replayserve.layers.fold import scale_, scale_rows_
+from replayserve.layers.fold import multipliers, scale_, scale_rows_
 from replayserve.layers.granite_ffn import SharedMLP, SoftmaxMoE
 from replayserve.layers.linear import Linear
 from replayserve.layers.mamba2 import Mamba2Mixer
@@ -67,6 +67,15 @@ class MixerLayer(nn.Module):
     def fold_ffn_(self, factor: float) -> None:
         """Folds `factor` into the feed-forward half's output projection."""
         raise NotImplementedError
+
+    def stack_projections_(self) -> None:
+        """Stacks the projections that share an input (`layers/stacked.py`): attention's q, k and v,
+        and the feed-forward half's where it has separate gate and up."""
+        if self.block_type != MAMBA:
+            self.self_attn.stack_projections_()
+        feed_forward = getattr(self, "feed_forward", None)
+        if feed_forward is not None:
+            feed_forward.stack_projections_()
 
 
 class GraniteDecoderLayer(MixerLayer):
@@ -136,13 +145,16 @@ class GraniteMoeHybridForCausalLM(nn.Module):
             self.lm_head.weight = self.backbone.embed_tokens.weight
         # What the logits are divided by: logits_scaling until the multipliers are folded.
         self.logits_divisor = cfg.logits_scaling
-        self.multipliers_folded = False
+        self.weights_prepared = False
+        # Whether folding changed any weight: a checkpoint written now would hold other weights
+        # (`models/writer.py` refuses it).
+        self.weights_rescaled = False
 
-    def fold_multipliers_(self) -> GraniteMoeHybridForCausalLM:
-        """Folds the config's multipliers into the weights, once, after they are loaded (the loader
-        calls it; `layers/fold.py`). The forward refuses to run before: a checkpoint written
-        from a folded model would hold other weights (`models/writer.py` refuses it)."""
-        if self.multipliers_folded:
+    def prepare_weights_(self) -> GraniteMoeHybridForCausalLM:
+        """Once the weights are loaded (the loader calls it), once: folds the config's multipliers
+        into them (`layers/fold.py`) and stacks the projections that share an input
+        (`layers/stacked.py`). The forward refuses to run before."""
+        if self.weights_prepared:
             return self
         cfg = self.config
         scale_(self.backbone.embed_tokens.weight, cfg.embedding_multiplier)
@@ -153,7 +165,9 @@ class GraniteMoeHybridForCausalLM(nn.Module):
             self.logits_divisor = 1.0
         for layer in self.backbone.layers:
             layer.fold_multipliers_(cfg)
-        self.multipliers_folded = True
+            layer.stack_projections_()
+        self.weights_rescaled = any(m != 1.0 for m in multipliers(cfg))
+        self.weights_prepared = True
         return self
 
     def cast_(self, dtype: torch.dtype) -> GraniteMoeHybridForCausalLM:
@@ -173,8 +187,8 @@ class GraniteMoeHybridForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids (T,) -> final hidden states (T, hidden_size); one (K, V) pair per attention
         layer in kv_caches, every Mamba layer's state in `ssm`."""
-        if not self.multipliers_folded:
-            raise RuntimeError(f"{type(self).__name__}: call fold_multipliers_() once the weights are loaded "
+        if not self.weights_prepared:
+            raise RuntimeError(f"{type(self).__name__}: call prepare_weights_() once the weights are loaded "
                                "(models/loader.py does)")
         residual = self.backbone.embed_tokens(input_ids)
         out = None

@@ -61,6 +61,9 @@ class QwenDecoderLayer(nn.Module):
     def fold_multipliers_(self, cfg: ModelConfig) -> None:
         """Nothing to fold: the Qwen families have no multipliers (Granite's forward's are 1)."""
 
+    def stack_projections_(self) -> None:
+        """Nothing stacked yet: the gated attention's q_proj holds its gate too."""
+
 
 class QwenModel(HybridModel):
     """The backbone (`model.*`): embedding, one layer per (mixer, feed-forward) pair, final norm."""
