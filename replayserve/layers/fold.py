@@ -1,6 +1,6 @@
 """The scalar and muP multipliers of Granite 4.0-H, Bamba and Falcon-H1 folded into the weights once
 they are loaded, so that a step runs none of them (each was one elementwise kernel per use: Falcon-H1
-applied nine per layer).
+ran eight a layer, Granite two even where residual_multiplier is 1).
 
 Each fold is exact in real arithmetic (a multiplier of a Linear's output scales its weight rows and
 bias; one of its input scales its weight), rounded once in the weights' dtype. Folded:
@@ -16,7 +16,9 @@ bias; one of its input scales its weight), rounded once in the weights' dtype. F
   `attention_in_multiplier * attention_out_multiplier` into o_proj (the input multiplier's effect on
   the scores is in the attention scale already), `mlp_multipliers` into gate_proj and down_proj.
 
-Not folded: the logits' divisor with tied embeddings (above). Tensor parallelism folds each rank's
+Not folded: the logits' divisor with tied embeddings (above); per-row factors into an FP8 Linear's
+codes (refused: a scalar goes into its per-tensor scale). Granite's `attention_multiplier` and
+Falcon-H1's `key_multiplier` are the attention's scale already. Tensor parallelism folds each rank's
 slice the same way (the in_proj sections are the rank's, from its local config); a row-parallel
 bias held by rank 0 alone is scaled there, zeros elsewhere stay zero.
 """
