@@ -70,7 +70,7 @@ def write_checkpoint(args: argparse.Namespace, out: Path) -> Path:
     if (out / "config.json").is_file():
         return out
     device = "cuda" if args.device.startswith("cuda") else "cpu"  # drawn on the GPU: the CPU takes minutes at 8B
-    model = random_model(model_config(args.size), DTYPES[args.dtype], device)
+    model = random_model(model_config(args.size), DTYPES[args.dtype], device, fold=False)
     save_model(model, out, DTYPES[args.dtype], max_shard_bytes=4 << 30)
     del model
     return out

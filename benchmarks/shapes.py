@@ -154,7 +154,7 @@ def model_config(size: str) -> ModelConfig:
 
 @torch.no_grad()
 def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                 seed: int = 0) -> torch.nn.Module:
+                 seed: int = 0, fold: bool = True) -> torch.nn.Module:
     """A model of `cfg` with random weights, allocated and drawn on `device`.
 
     The value rules are `replayserve.builtin.tiny.init_random_weights`'s (unit norms and D, A_log = log(1..H),
@@ -184,6 +184,8 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | st
             p.normal_(0.0, std, generator=gen)
     for buffer in model.buffers():  # to_empty leaves them uninitialised (MoE score-correction bias)
         buffer.zero_()
+    if fold and hasattr(model, "prepare_weights_"):  # as the loader does (layers/fold.py); not for a checkpoint
+        model.prepare_weights_()
     return model.eval()
 
 
@@ -211,7 +213,7 @@ def write_checkpoint(size: str, out_dir: str | Path, dtype: torch.dtype, device:
             and ModelConfig.from_dir(out) == cfg and Tokenizer.from_file(str(tokenizer_path)).get_vocab_size() ==
             cfg.vocab_size):
         return out
-    model = random_model(cfg, dtype, device, seed)
+    model = random_model(cfg, dtype, device, seed, fold=False)
     save_model(model, out, dtype, max_shard_bytes=4 << 30)
     word_tokenizer(cfg.vocab_size).save(str(tokenizer_path))
     del model

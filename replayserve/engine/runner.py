@@ -16,6 +16,7 @@ from replayserve.engine.prompt_logprobs import PromptScores, score_prompt
 from replayserve.engine.sampler import PendingSample, SampleResult, collect_sample, launch_sample, sample
 from replayserve.engine.scheduler import StepPlan
 from replayserve.engine.transfer import to_device
+from replayserve.layers.granite_ffn import SoftmaxMoE
 from replayserve.layers.mamba2 import Mamba2Mixer
 from replayserve.layers.mlp import MoE
 from replayserve.layers.step_context import StepContext
@@ -115,7 +116,7 @@ class Runner:
         step can take (`DecodeGraphs.prepare_all`). Returns those shapes (none without the
         fixed-shape decode path)."""
         swept: set[tuple] = set()
-        for moe in (m for m in self.model.modules() if isinstance(m, MoE)):
+        for moe in (m for m in self.model.modules() if isinstance(m, MoE | SoftmaxMoE)):
             shapes = tuple((p.shape, p.dtype) for p in moe.parameters())
             if shapes not in swept:  # layers of one shape launch the same kernel variants
                 swept.add(shapes)

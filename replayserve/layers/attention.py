@@ -13,9 +13,10 @@ from torch import nn
 
 from replayserve.config import ModelConfig
 from replayserve.layers.linear import Linear
+from replayserve.layers.stacked import StackedProjection
 from replayserve.layers.step_context import StepContext
 from replayserve.ops.attention import write_kv_and_attend, write_kv_and_attend_decode
-from replayserve.ops.rope import apply_rope_ref, rope_inv_freq
+from replayserve.ops.rope import apply_rope_qk, rope_cos_sin_ref, rope_inv_freq
 
 
 class Attention(nn.Module):
@@ -34,15 +35,25 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
         # An FP8 KV cache's per-tensor scales: an FP8 checkpoint's k_scale / v_scale (models/fp8_loading.py)
         self.kv_scales = (1.0, 1.0)
+        self._qkv: StackedProjection | None = None
+
+    def stack_projections_(self) -> None:
+        """q, k and v as one projection (`layers/stacked.py`), once the weights are final."""
+        qkv = StackedProjection(self.q_proj, self.k_proj, self.v_proj)
+        self._qkv = qkv if qkv.stack_() else None
 
     def forward(
         self, hidden: torch.Tensor, ctx: StepContext, kv_cache: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
         """hidden (T, hidden_size); kv_cache: K and V (num_blocks, block_size, Hkv, Dh)."""
         t = hidden.shape[0]
-        q = self.q_proj(hidden).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
+        if self._qkv is not None:
+            q, k, v = self._qkv(hidden)
+        else:
+            q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attend(q, k, v, ctx, kv_cache).reshape(t, -1))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext,
@@ -58,7 +69,15 @@ class Attention(nn.Module):
                 inv_freq = rope_inv_freq(*self.rope, device=q.device)
                 if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
                     self._inv_freq_on[q.device] = inv_freq
-            q, k = apply_rope_ref(q, ctx.positions, inv_freq), apply_rope_ref(k, ctx.positions, inv_freq)
+            key = (*self.rope, q.dtype)
+
+            def cos_sin() -> tuple[torch.Tensor, torch.Tensor]:
+                """The step's tables, made once: every attention layer rotates by the same angles."""
+                if key not in ctx.rope_tables:
+                    ctx.rope_tables[key] = rope_cos_sin_ref(ctx.positions, inv_freq, q.dtype)
+                return ctx.rope_tables[key]
+
+            q, k = apply_rope_qk(q, k, ctx.positions, inv_freq, cos_sin)
         k_cache, v_cache = kv_cache
         if ctx.uniform_decode:  # fixed shapes, no host sync: the CUDA-graph path
             return write_kv_and_attend_decode(q, k, v, k_cache, v_cache, ctx.slot_mapping, ctx.block_tables,

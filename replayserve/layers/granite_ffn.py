@@ -10,10 +10,10 @@ from torch import nn
 
 from replayserve.config import ModelConfig
 from replayserve.layers.linear import Linear
-
-# Up to this many tokens the CUDA path runs every expert densely (graph-safe; E / top_k times the
-# routed FLOPs, which decode batches afford); grouped SwiGLU expert kernels are not written yet.
-DENSE_MAX_TOKENS = 256
+from replayserve.layers.stacked import StackedProjection
+from replayserve.ops.activation import silu_mul
+from replayserve.ops.dispatch import use_triton
+from replayserve.ops.moe import fused_moe_ref, softmax_topk_route_ref
 
 
 class SharedMLP(nn.Module):
@@ -26,7 +26,7 @@ class SharedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.input_linear(x).chunk(2, dim=-1)
-        return self.output_linear(F.silu(gate) * up)
+        return self.output_linear(silu_mul(gate, up))
 
 
 class ExpertWeights(nn.Module):
@@ -44,7 +44,8 @@ class Router(nn.Module):
 
 
 class SoftmaxMoE(nn.Module):
-    """Top-k experts by router logit, weighted by the softmax over the chosen k (float32)."""
+    """Top-k experts by router logit, weighted by the softmax over the chosen k (float32, then cast to
+    x's dtype: transformers' GraniteMoeHybridTopKGating), SwiGLU experts."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -54,43 +55,51 @@ class SoftmaxMoE(nn.Module):
         self.input_linear = ExpertWeights(num, 2 * inner, cfg.hidden_size)
         self.output_linear = ExpertWeights(num, cfg.hidden_size, inner)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, hidden) -> (T, hidden). On the CPU, and on CUDA above DENSE_MAX_TOKENS tokens, the
-        per-expert loop transformers runs (it reads the chosen experts back to the host); on CUDA up
-        to DENSE_MAX_TOKENS tokens (decode steps) and in any CUDA-graph capture, every expert on every
-        token with the unchosen ones weighted 0: no host sync, so CUDA graphs capture it."""
-        logits = F.linear(x, self.router.layer.weight).float()
-        top_logits, top_ids = logits.topk(self.top_k, dim=-1)
-        weights = torch.softmax(top_logits, dim=-1).to(x.dtype)
-        if x.is_cuda and (x.shape[0] <= DENSE_MAX_TOKENS or torch.cuda.is_current_stream_capturing()):
-            dense = torch.zeros_like(logits, dtype=x.dtype).scatter_(1, top_ids, weights)  # (T, E)
-            gate, up = torch.matmul(x, self.input_linear.weight.transpose(1, 2)).chunk(2, dim=-1)  # (E, T, I)
-            y = torch.matmul(F.silu(gate) * up, self.output_linear.weight.transpose(1, 2))  # (E, T, hidden)
-            return (y * dense.t()[:, :, None]).sum(0)
-        out = torch.zeros_like(x)
-        for expert in top_ids.unique().tolist():
-            token, slot = torch.where(top_ids == expert)
-            gate, up = F.linear(x[token], self.input_linear.weight[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.output_linear.weight[expert]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
+    @torch.no_grad()
+    def warm_up(self, max_tokens: int) -> None:
+        """The forward on zeros at every token count from 1 to `max_tokens` (startup warm-up: the
+        alignment's and the GEMM tiles' kernel variants follow the count, as `layers.mlp.MoE.warm_up`
+        says), outputs dropped."""
+        weight = self.router.layer.weight
+        x = torch.zeros(max_tokens, weight.shape[1], dtype=self.input_linear.weight.dtype, device=weight.device)
+        for n in range(1, max_tokens + 1):
+            self.forward(x[:n])
+
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """x (T, hidden) -> (T, hidden), plus `add` (the shared MLP's output) when given. On CUDA the
+        grouped-GEMM Triton experts (`ops.moe_triton`, silu(gate) * up in the up GEMM's epilogue, `add`
+        summed in the same kernel; no host sync, CUDA-graph safe); elsewhere the per-expert reference."""
+        logits = F.linear(x, self.router.layer.weight)  # in x's dtype, as transformers computes them
+        w_up, w_down = self.input_linear.weight, self.output_linear.weight
+        if use_triton(x):  # the routing and alignment in one launch for decode steps, then the grouped GEMMs
+            from replayserve.ops.moe_softmax_route_triton import softmax_route_align_triton
+            from replayserve.ops.moe_triton import default_config, fused_moe_triton
+
+            config = default_config(x.shape[0] * self.top_k, w_up.shape[0])
+            ids, weights, aligned = softmax_route_align_triton(logits, self.top_k, config.block_m, x.dtype)
+            return fused_moe_triton(x, w_up, w_down, ids, weights, add=add, config=config, aligned=aligned,
+                                    swiglu=True)
+        ids, weights = softmax_topk_route_ref(logits, self.top_k)
+        routed = fused_moe_ref(x, w_up, w_down, ids, weights.to(x.dtype), swiglu=True)
+        return routed if add is None else routed + add
 
 
 class SwiGLUMLP(nn.Module):
-    """Bamba's and Falcon-H1's MLP: down(up(x) * silu(gate(x) * gate_multiplier)) * down_multiplier,
-    three projections (the multipliers are Falcon-H1's `mlp_multipliers`; 1 for Bamba)."""
+    """Bamba's, Falcon-H1's and the Qwen experts' MLP: down(up(x) * silu(gate(x))), three projections
+    (Falcon-H1's `mlp_multipliers` are folded into gate_proj and down_proj: `layers/fold.py`)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
-                 multipliers: tuple[float, ...] = ()) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
         self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
-        self.gate_multiplier, self.down_multiplier = multipliers or (1.0, 1.0)
+        self._gate_up: StackedProjection | None = None
+
+    def stack_projections_(self) -> None:
+        """gate and up as one projection (`layers/stacked.py`), once the weights are final."""
+        gate_up = StackedProjection(self.gate_proj, self.up_proj)
+        self._gate_up = gate_up if gate_up.stack_() else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x)
-        if self.gate_multiplier != 1.0:
-            gate = gate * self.gate_multiplier
-        out = self.down_proj(self.up_proj(x) * F.silu(gate))
-        return out if self.down_multiplier == 1.0 else out * self.down_multiplier
+        gate, up = self._gate_up(x) if self._gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(silu_mul(gate, up))

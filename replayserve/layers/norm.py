@@ -25,16 +25,18 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """y * silu(z), normalised per group of `group_size` channels."""
+    """y * silu(z), normalised per group of `group_size` channels; with `norm_before_gate` (Falcon-H1's
+    option) y normalised, then gated."""
 
-    def __init__(self, hidden_size: int, group_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, group_size: int, eps: float, norm_before_gate: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.group_size = group_size
         self.eps = eps
+        self.norm_before_gate = norm_before_gate
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm(x, z, self.weight, self.eps, self.group_size)
+        return gated_rms_norm(x, z, self.weight, self.eps, self.group_size, self.norm_before_gate)
 
 
 class ZeroCenteredRMSNorm(nn.Module):

@@ -9,9 +9,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from replayserve.config import ModelConfig
-from replayserve.layers.granite_ffn import DENSE_MAX_TOKENS, SwiGLUMLP
+from replayserve.layers.granite_ffn import SwiGLUMLP
 from replayserve.layers.linear import Linear
 from replayserve.ops.dtypes import compute_dtype
+
+# Up to this many tokens the CUDA path runs every expert densely (graph-safe; E / top_k times the
+# routed FLOPs, which decode batches afford); its SwiGLU experts do not take the grouped GEMM yet.
+DENSE_MAX_TOKENS = 256
 
 
 class SparseMoeBlock(nn.Module):

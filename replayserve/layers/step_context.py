@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,6 +56,10 @@ class StepContext:
     decode_num_tokens: torch.Tensor | None = None
     row_slots: torch.Tensor | None = None
     prefill_plan: PrefillPlan | None = None
+    # The step's RoPE cos / sin tables by (rotary dim, theta, dtype), made by the first attention
+    # layer that needs them and read by the others (`layers.attention.Attention.attend`).
+    rope_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, compare=False,
+                                                                        repr=False)
 
     @property
     def decode_lens(self) -> tuple[int, ...]:

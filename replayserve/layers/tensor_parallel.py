@@ -63,7 +63,7 @@ class ShardedGatedRMSNorm(nn.Module):
     """`GatedRMSNorm` when a rank's channels cut through the model's norm groups (ranks that do not
     divide n_groups): each group's sum of squares is added up over the ranks, then every channel is
     scaled by its group's rsqrt(mean + eps), as `gated_rms_norm_ref` computes it on one rank. With
-    `norm_before_gate` (Falcon-H1's option) x is normed and then gated, as `FalconGatedRMSNorm`."""
+    `norm_before_gate` (Falcon-H1's option) x is normed and then gated, as `gated_rms_norm_ref` with it."""
 
     def __init__(self, channels: int, first_channel: int, group_size: int, num_groups: int, eps: float,
                  norm_before_gate: bool = False) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from replayserve.config import ModelConfig
+from replayserve.layers.fold import scale_rows_
 from replayserve.layers.granite_ffn import SwiGLUMLP
 from replayserve.layers.norm import RMSNorm
 from replayserve.models.granite_hybrid import GraniteMoeHybridForCausalLM, MixerLayer
@@ -17,8 +18,15 @@ class BambaDecoderLayer(MixerLayer):
         self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
         self.feed_forward = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
-    def ffn(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.feed_forward(self.pre_ff_layernorm(hidden))
+    @property
+    def ffn_norm(self) -> RMSNorm:
+        return self.pre_ff_layernorm
+
+    def ffn(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.feed_forward(normed)
+
+    def fold_ffn_(self, factor: float) -> None:
+        scale_rows_(self.feed_forward.down_proj, factor)
 
 
 class BambaForCausalLM(GraniteMoeHybridForCausalLM):

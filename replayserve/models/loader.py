@@ -215,4 +215,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     missing = sorted(set(expected) - seen)
     if missing:
         raise CheckpointError(f"checkpoint is missing tensors: {missing[:8]}")
+    if hasattr(model, "prepare_weights_"):  # the Granite-style families: multipliers folded, projections stacked
+        model.prepare_weights_()
     return model.eval()

@@ -50,9 +50,19 @@ class QwenDecoderLayer(nn.Module):
             return self.linear_attn(normed, ctx, ssm)
         return self.self_attn(normed, ctx, kv_caches[self.index])
 
-    def ffn(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The feed-forward half's output (before the residual add) from the residual stream."""
-        return self.mlp(self.post_attention_layernorm(hidden))
+    @property
+    def ffn_norm(self) -> ZeroCenteredRMSNorm:
+        return self.post_attention_layernorm
+
+    def ffn(self, normed: torch.Tensor) -> torch.Tensor:
+        """The feed-forward half's output (before the residual add) from its pre-norm's output."""
+        return self.mlp(normed)
+
+    def fold_multipliers_(self, cfg: ModelConfig) -> None:
+        """Nothing to fold: the Qwen families have no multipliers (Granite's forward's are 1)."""
+
+    def stack_projections_(self) -> None:
+        """Nothing stacked yet: the gated attention's q_proj holds its gate too."""
 
 
 class QwenModel(HybridModel):

@@ -10,9 +10,10 @@ routers, the MoE latent projections and the MTP's eh_proj are replicated. A row-
 kept on rank 0 alone, so the all-reduce adds it once.
 
 The other Mamba2 hybrids use the same cuts: Granite 4.0-H's `input_linear` (gate and up stacked,
-per expert too) keeps the rank's rows of each half; Falcon-H1's per-section in_proj multipliers
-follow the rank's local z/x/B/C/dt sections, which its mixer, built from the rank's config, sizes.
-Scalar multipliers (embedding, residual, logits, muP) commute with the sums and stay as they are.
+per expert too) keeps the rank's rows of each half. The multipliers (embedding, residual, logits,
+muP) are folded into each rank's slice after it loads (`layers/fold.py`): scalars commute with the
+sums, and Falcon-H1's per-section in_proj multipliers follow the rank's local z/x/B/C/dt sections,
+which its mixer, built from the rank's config, sizes.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch import nn
 
 from replayserve.config import ModelConfig
 from replayserve.layers.attention import Attention
-from replayserve.layers.falcon_mamba import FalconGatedRMSNorm, GateOnly
+from replayserve.layers.falcon_mamba import GateOnly
 from replayserve.layers.granite_ffn import SharedMLP, SoftmaxMoE, SwiGLUMLP
 from replayserve.layers.mamba2 import Mamba2Mixer
 from replayserve.layers.mlp import MLP, MoE
@@ -140,7 +141,7 @@ class RankShard:
         group_size = cfg.mamba_intermediate_size // cfg.n_groups
         # The rank's channels cut through norm groups (Falcon-H1's gate-only "norm" has none).
         if (shard.num_heads * p) % group_size and not isinstance(mixer.norm, GateOnly):
-            before = isinstance(mixer.norm, FalconGatedRMSNorm) and mixer.norm.norm_before_gate
+            before = getattr(mixer.norm, "norm_before_gate", False)
             mixer.norm = ShardedGatedRMSNorm(shard.num_heads * p, shard.head_start * p, group_size, cfg.n_groups,
                                              cfg.layer_norm_epsilon, norm_before_gate=before)
 

@@ -17,6 +17,9 @@ def checkpoint_state(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Te
     parameter and buffer (the routers' `e_score_correction_bias` too), the LM head once when tied.
     MoE routers keep their float32 weights in a half checkpoint, as transformers saves them. The
     backbone's prefix is the family's (`checkpoint_prefix`: `model.` for Granite 4.0-H)."""
+    if getattr(model, "weights_rescaled", False):
+        raise ValueError(f"{type(model).__name__} has its multipliers folded into its weights (layers/fold.py): "
+                         "write the model before prepare_weights_() runs, or reload it from its checkpoint")
     keep_wide = {n for n in model.state_dict() if ".gate." in n}
     prefix = getattr(model, "checkpoint_prefix", "backbone.")
     state = {}
@@ -25,7 +28,10 @@ def checkpoint_state(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Te
             continue
         target = torch.promote_types(dtype, torch.float32) if name in keep_wide else dtype
         stored = prefix + name.removeprefix("backbone.") if name.startswith("backbone.") else name
-        state[stored] = tensor.detach().to("cpu", target).contiguous()
+        # A stacked projection's weights are views of one tensor (layers/stacked.py): safetensors stores
+        # no shared memory, so each view gets its own copy.
+        cpu = tensor.detach().to("cpu", target).contiguous()
+        state[stored] = cpu.clone() if cpu.untyped_storage().nbytes() != cpu.nbytes else cpu
     return state
 
 

@@ -114,19 +114,37 @@ def expert_scale(scale: Tensor, expert: int) -> Tensor:
     return scale[min(expert, scale.numel() - 1)]
 
 
+def softmax_topk_route_ref(logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+    """Granite 4.0-H's routing (transformers' GraniteMoeHybridTopKGating): the top-k logits, weighted
+    by the softmax over those k (equal to softmax-then-top-k renormalised over the k).
+
+    Arguments:
+        logits: (T, E) router logits, any float dtype (Granite's are in the hidden states' dtype).
+        top_k: experts per token.
+
+    Returns:
+        ids: (T, top_k) int64, best first.
+        weights: (T, top_k) float32 (the logits cast first).
+    """
+    top, ids = logits.float().topk(top_k, dim=-1)
+    return ids, torch.softmax(top, dim=-1)
+
+
 def fused_moe_ref(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weights: Tensor,
-                  scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
-    """The routed experts' sum: sum_k weights[t, k] * down_e(relu(up_e(x[t]))^2) with e = ids[t, k].
+                  scales: tuple[Tensor, Tensor] | None = None, swiglu: bool = False) -> Tensor:
+    """The routed experts' sum: sum_k weights[t, k] * down_e(act(up_e(x[t]))) with e = ids[t, k].
 
     Arguments:
         x: (T, W) the experts' input (hidden or latent width).
-        w_up: (E, I, W) up projections, nn.Linear layout, x's dtype; or float8_e4m3fn with ``scales``.
+        w_up: (E, I, W) up projections, nn.Linear layout, x's dtype, or float8_e4m3fn with ``scales``;
+            with `swiglu` (E, 2I, W), the gate's I rows then the up's (Granite 4.0-H's `input_linear`).
         w_down: (E, W, I) down projections, likewise.
         ids: (T, top_k) integer expert ids.
         weights: (T, top_k) routing weights (float32 for half models).
         scales: (up, down) per-expert weight scales of FP8 stacks (``check_expert_scales``): expert
             e's weights are ``dequantize_fp8(w[e], expert_scale(scale, e), x.dtype)``, the values
             the FP8 kernel multiplies (rounded once to x's dtype here, kept in fp32 there).
+        swiglu: act is silu(gate) * up; else relu^2 (Nemotron-H's).
 
     Returns:
         (T, W) in weights.dtype: each expert runs in x's dtype, its output is weighted and summed
@@ -140,6 +158,12 @@ def fused_moe_ref(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weights:
         if scales is not None:
             up = dequantize_fp8(up, expert_scale(scales[0], e), x.dtype)
             down = dequantize_fp8(down, expert_scale(scales[1], e), x.dtype)
-        out = F.linear(relu_square_ref(F.linear(x[token], up)), down) * weights[token, k, None]
+        inner = F.linear(x[token], up)
+        if swiglu:
+            gate, up_half = inner.chunk(2, dim=-1)
+            inner = F.silu(gate) * up_half
+        else:
+            inner = relu_square_ref(inner)
+        out = F.linear(inner, down) * weights[token, k, None]
         routed.index_add_(0, token, out.to(routed.dtype))
     return routed

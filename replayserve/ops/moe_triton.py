@@ -40,7 +40,7 @@ def _grouped_gemm_kernel(
     a_ptr, w_ptr, w_scale_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
     num_pairs, n_out, k_in, pairs_per_row, last_scale,
     s_a_r, s_a_k, s_w_e, s_w_n, s_w_k, s_o_p, s_o_n,
-    RELU2: tl.constexpr, WEIGHTED: tl.constexpr, W_SCALED: tl.constexpr, PRECISION: tl.constexpr,
+    ACT: tl.constexpr, WEIGHTED: tl.constexpr, W_SCALED: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -55,18 +55,29 @@ def _grouped_gemm_kernel(
     a_ptrs = a_ptr + row[:, None] * s_a_r + offs_k[None, :] * s_a_k
     w_ptrs = w_ptr + expert * s_w_e + offs_n[None, :].to(tl.int64) * s_w_n + offs_k[:, None] * s_w_k
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # SwiGLU's up half: rows n_out + n of the weight
     for k0 in range(0, k_in, BLOCK_K):
         in_k = offs_k < k_in - k0
         a = tl.load(a_ptrs, mask=live[:, None] & in_k[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=in_k[:, None] & (offs_n[None, :] < n_out), other=0.0)
         acc = tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)  # FP8 widened exactly; else a no-op
+        if ACT == 2:
+            w_up = tl.load(w_ptrs + n_out * s_w_n, mask=in_k[:, None] & (offs_n[None, :] < n_out), other=0.0)
+            up = tl.dot(a, w_up.to(a.dtype), up, input_precision=PRECISION)
         a_ptrs += BLOCK_K * s_a_k
         w_ptrs += BLOCK_K * s_w_k
     if W_SCALED:  # experts past the last scale are the folded shared expert's pieces: one stored scale
-        acc = acc * tl.load(w_scale_ptr + tl.minimum(expert, last_scale)).to(tl.float32)
-    if RELU2:
+        w_scale = tl.load(w_scale_ptr + tl.minimum(expert, last_scale)).to(tl.float32)
+        acc = acc * w_scale
+        up = up * w_scale
+    if ACT == 1:  # relu^2
         acc = tl.maximum(acc, 0.0)
         acc = acc * acc
+    if ACT == 2:  # silu(gate) * up, each half rounded to x's dtype first as the reference's linear rounds it
+        gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+        acc = silu * up
     if WEIGHTED:
         acc = acc * tl.load(weights_ptr + pair, mask=live, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * s_o_p + offs_n[None, :] * s_o_n
@@ -121,13 +132,14 @@ def default_config(num_pairs: int, num_experts: int, weight_bytes: int = 2) -> G
 def fused_moe_triton(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weights: Tensor,
                      add: Tensor | None = None, config: GemmConfig | None = None,
                      aligned: tuple[Tensor, Tensor, Tensor] | None = None,
-                     scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                     scales: tuple[Tensor, Tensor] | None = None, swiglu: bool = False) -> Tensor:
     """``fused_moe_ref`` on the GPU, rounded to x's dtype, plus ``add`` (the shared expert); with
     ``scales``, its FP8 form (FP8 weights, dequantized in the kernel).
 
     Arguments:
         x: (T, W) fp32, bf16 or fp16, rows may be strided.
-        w_up: (E, I, W) in x's dtype, or float8_e4m3fn with ``scales``; any strides.
+        w_up: (E, I, W) in x's dtype, or float8_e4m3fn with ``scales``; any strides; (E, 2I, W)
+            gate then up with ``swiglu``.
         w_down: (E, W, I) likewise.
         ids: (T, top_k) integer expert ids.
         weights: (T, top_k) routing weights.
@@ -139,12 +151,14 @@ def fused_moe_triton(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weigh
         scales: (up, down) per-expert weight scales of FP8 stacks, each (E_s,) float32 on x's
             device with 1 <= E_s <= E: expert e is scaled by scale[min(e, E_s - 1)] (``expert_scale``).
             Read on the device: no host sync.
+        swiglu: silu(gate) * up experts (Granite 4.0-H's) instead of relu^2.
 
     Returns:
         (T, W) contiguous in x.dtype.
     """
     num_tokens, width = x.shape
     num_experts, inner, _ = w_up.shape
+    inner //= 2 if swiglu else 1
     top_k = ids.shape[1]
     if w_up.shape[2] != width or w_down.shape != (num_experts, width, inner):
         raise ValueError(f"w_up {tuple(w_up.shape)} / w_down {tuple(w_down.shape)} do not fit x of width {width}")
@@ -166,12 +180,12 @@ def fused_moe_triton(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weigh
     inter = torch.empty(num_pairs, inner, dtype=x.dtype, device=x.device)
     _grouped_gemm_kernel[(block_expert.numel(), triton.cdiv(inner, cfg.block_n))](
         x, w_up, up_scale, inter, weights, sorted_pairs, block_expert, num_padded, num_pairs, inner, width, top_k,
-        last_scale, *x.stride(), *w_up.stride(), *inter.stride(), RELU2=True, WEIGHTED=False, **common,
+        last_scale, *x.stride(), *w_up.stride(), *inter.stride(), ACT=2 if swiglu else 1, WEIGHTED=False, **common,
     )
     per_pair = torch.empty(num_pairs, width, dtype=x.dtype, device=x.device)
     _grouped_gemm_kernel[(block_expert.numel(), triton.cdiv(width, cfg.block_n))](
         inter, w_down, down_scale, per_pair, weights, sorted_pairs, block_expert, num_padded, num_pairs, width, inner,
-        1, last_scale, *inter.stride(), *w_down.stride(), *per_pair.stride(), RELU2=False, WEIGHTED=True, **common,
+        1, last_scale, *inter.stride(), *w_down.stride(), *per_pair.stride(), ACT=0, WEIGHTED=True, **common,
     )
     if add is not None and (add.shape != out.shape or add.stride(1) != 1):
         raise ValueError(f"add must be ({num_tokens}, {width}) with unit column stride, got {tuple(add.shape)}")

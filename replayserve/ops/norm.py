@@ -30,8 +30,10 @@ def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return (h * weight.to(cdt)).to(x.dtype)
 
 
-def gated_rms_norm_ref(x: Tensor, z: Tensor, weight: Tensor, eps: float, group_size: int) -> Tensor:
-    """Gated RMSNorm normalised per contiguous group of channels (NemotronHRMSNormGated).
+def gated_rms_norm_ref(x: Tensor, z: Tensor, weight: Tensor, eps: float, group_size: int,
+                       norm_before_gate: bool = False) -> Tensor:
+    """Gated RMSNorm normalised per contiguous group of channels (NemotronHRMSNormGated; Falcon-H1's
+    with `norm_before_gate`).
 
     Arguments:
         x: (..., D) any float dtype.
@@ -39,13 +41,16 @@ def gated_rms_norm_ref(x: Tensor, z: Tensor, weight: Tensor, eps: float, group_s
         weight: (D,).
         eps: added to each group's mean square before the rsqrt.
         group_size: channels per group; D % group_size == 0.
+        norm_before_gate: normalise x, then gate (Falcon-H1's `mamba_norm_before_gate`).
 
     Returns:
         (..., D): with h = x * silu(z) in compute_dtype(x.dtype), each group of
         ``group_size`` channels is scaled by rsqrt(mean(h^2) + eps), then
         ``weight * h.to(x.dtype)``. The cast happens before the weight multiply
         to match Hugging Face, so the dtype is torch.promote_types(weight.dtype,
-        x.dtype) (x.dtype when both agree).
+        x.dtype) (x.dtype when both agree). With `norm_before_gate`, h = x normalised per
+        group, then ``weight * h * silu(z)`` in the compute dtype, cast once to x.dtype (as
+        transformers' FalconH1RMSNormGated).
     """
     dim = x.shape[-1]
     if z.shape != x.shape:
@@ -53,10 +58,13 @@ def gated_rms_norm_ref(x: Tensor, z: Tensor, weight: Tensor, eps: float, group_s
     if dim % group_size != 0:
         raise ValueError(f"D={dim} is not a multiple of group_size={group_size}")
     cdt = compute_dtype(x.dtype)
-    h = x.to(cdt) * F.silu(z.to(cdt))
+    gate = F.silu(z.to(cdt))
+    h = x.to(cdt) if norm_before_gate else x.to(cdt) * gate
     groups = h.reshape(*h.shape[:-1], dim // group_size, group_size)
     groups = groups * torch.rsqrt(groups.pow(2).mean(dim=-1, keepdim=True) + eps)
     h = groups.reshape(h.shape)
+    if norm_before_gate:
+        return (weight * h * gate).to(x.dtype)
     return weight * h.to(x.dtype)
 
 
@@ -100,10 +108,11 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
     return add_rms_norm_ref(x, residual, weight, eps)
 
 
-def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float, group_size: int) -> Tensor:
+def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float, group_size: int,
+                   norm_before_gate: bool = False) -> Tensor:
     """``gated_rms_norm_ref``, by its kernel where it serves."""
     if use_triton(x):
         from replayserve.ops.norm_triton import gated_rms_norm_triton
 
-        return gated_rms_norm_triton(x, z, weight, eps, group_size)
-    return gated_rms_norm_ref(x, z, weight, eps, group_size)
+        return gated_rms_norm_triton(x, z, weight, eps, group_size, norm_before_gate)
+    return gated_rms_norm_ref(x, z, weight, eps, group_size, norm_before_gate)

@@ -41,19 +41,25 @@ def _rms_norm_kernel(
 @triton.jit
 def _gated_rms_norm_kernel(
     x_ptr, z_ptr, w_ptr, out_ptr, group_size, eps, s_x_r, s_x_d, s_z_r, s_z_d, s_w, s_out_r,
-    BLOCK: tl.constexpr,
+    BEFORE_GATE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * group_size + tl.arange(0, BLOCK)
     mask = tl.arange(0, BLOCK) < group_size
     x = tl.load(x_ptr + row * s_x_r + offs * s_x_d, mask=mask, other=0.0)
     z = tl.load(z_ptr + row * s_z_r + offs * s_z_d, mask=mask, other=0.0).to(tl.float32)
-    h = x.to(tl.float32) * (z * tl.sigmoid(z))
-    h = h * tl.rsqrt(tl.sum(h * h, axis=0) / group_size + eps)
-    # Hugging Face casts to x's dtype before the weight multiply; the product of two values of
-    # at most 16 bits is exact in fp32, so one rounding to the output dtype matches PyTorch's.
-    h = h.to(x_ptr.dtype.element_ty).to(tl.float32)
-    y = tl.load(w_ptr + offs * s_w, mask=mask, other=0.0).to(tl.float32) * h
+    gate = z * tl.sigmoid(z)
+    w = tl.load(w_ptr + offs * s_w, mask=mask, other=0.0).to(tl.float32)
+    if BEFORE_GATE:  # Falcon-H1's order: normed, weighted and gated in fp32, rounded once
+        h = x.to(tl.float32)
+        h = h * tl.rsqrt(tl.sum(h * h, axis=0) / group_size + eps)
+        y = w * h * gate
+    else:
+        h = x.to(tl.float32) * gate
+        h = h * tl.rsqrt(tl.sum(h * h, axis=0) / group_size + eps)
+        # Hugging Face casts to x's dtype before the weight multiply; the product of two values of
+        # at most 16 bits is exact in fp32, so one rounding to the output dtype matches PyTorch's.
+        y = w * h.to(x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * s_out_r + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -121,8 +127,9 @@ def add_rms_norm_triton(x: Tensor, residual: Tensor, weight: Tensor, eps: float)
     return out, res_out
 
 
-def gated_rms_norm_triton(x: Tensor, z: Tensor, weight: Tensor, eps: float, group_size: int) -> Tensor:
-    """``gated_rms_norm_ref`` on the GPU (NemotronHRMSNormGated).
+def gated_rms_norm_triton(x: Tensor, z: Tensor, weight: Tensor, eps: float, group_size: int,
+                          norm_before_gate: bool = False) -> Tensor:
+    """``gated_rms_norm_ref`` on the GPU (NemotronHRMSNormGated; Falcon-H1's with `norm_before_gate`).
 
     Arguments:
         x: (..., D) fp32, bf16 or fp16; rows may be strided.
@@ -130,10 +137,12 @@ def gated_rms_norm_triton(x: Tensor, z: Tensor, weight: Tensor, eps: float, grou
         weight: (D,).
         eps: added to each group's mean square before the rsqrt.
         group_size: channels per group; D % group_size == 0.
+        norm_before_gate: as ``gated_rms_norm_ref``.
 
     Returns:
         (..., D) contiguous in torch.promote_types(weight.dtype, x.dtype): h = x * silu(z) in
-        fp32, each group scaled by rsqrt(mean(h^2) + eps), cast to x.dtype, times weight.
+        fp32, each group scaled by rsqrt(mean(h^2) + eps), cast to x.dtype, times weight; with
+        `norm_before_gate`, in x.dtype: weight * (x normed per group) * silu(z) in fp32, cast once.
     """
     dim = x.shape[-1]
     if z.shape != x.shape:
@@ -141,12 +150,13 @@ def gated_rms_norm_triton(x: Tensor, z: Tensor, weight: Tensor, eps: float, grou
     if dim % group_size != 0:
         raise ValueError(f"D={dim} is not a multiple of group_size={group_size}")
     rows, gates = _rows(x, weight), z.reshape(-1, dim)
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    out_dtype = x.dtype if norm_before_gate else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     if rows.shape[0] == 0:
         return out
     block = triton.next_power_of_2(group_size)
     _gated_rms_norm_kernel[(rows.shape[0], dim // group_size)](
         rows, gates, weight, out, group_size, float(eps), *rows.stride(), *gates.stride(), weight.stride(0), dim,
-        BLOCK=block, num_warps=_warps(block),
+        BEFORE_GATE=norm_before_gate, BLOCK=block, num_warps=_warps(block),
     )
     return out

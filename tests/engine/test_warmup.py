@@ -228,3 +228,21 @@ def test_gdn_eager_steps_after_warm_up_launch_no_new_kernel_variant(gdn_model_di
     """The test above on a Gated DeltaNet model: the varlen conv with and without captures, the
     decode and verify kernels of both GDN backends, ReplaySSM-GDN's flush and materialization."""
     _assert_serving_launches_no_new_variant(gdn_model_dir, backend, extra, monkeypatch, min_variants=10)
+
+
+@pytest.fixture(scope="module")
+def granite_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("warmup-granite"), seed=0, family="granite")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the test above counts Triton's own compiles")
+@pytest.mark.parametrize(("backend", "extra"), [
+    ("replay", {"max_num_seqs": 6}),
+    ("baseline", {"speculative": {"method": "ngram", "num_speculative_tokens": 3}, "max_num_seqs": 11}),
+], ids=["replay", "baseline-ngram"])
+def test_granite_eager_steps_after_warm_up_launch_no_new_kernel_variant(granite_model_dir: Path, backend: str,
+                                                                        extra: dict,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test above on Granite 4.0-H (MoE, RoPE): its softmax routing, SwiGLU grouped GEMMs, RoPE
+    and silu_mul kernels."""
+    _assert_serving_launches_no_new_variant(granite_model_dir, backend, extra, monkeypatch, min_variants=20)

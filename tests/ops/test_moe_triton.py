@@ -163,11 +163,13 @@ def _random_ids(num_tokens: int, num_experts: int, top_k: int, gen: torch.Genera
     ("all on the same experts", 20, 8, 2, 32, 16),
     ("many tokens", 70, 4, 2, 16, 32),
 ])
-@pytest.mark.parametrize("with_add", [False, True])
+@pytest.mark.parametrize(("with_add", "swiglu"), [(False, False), (True, False), (True, True)])
 def test_fused_moe_equals_the_reference(dtype: torch.dtype, case: str, num_tokens: int, num_experts: int, top_k: int,
-                                        width: int, inner: int, with_add: bool) -> None:
+                                        width: int, inner: int, with_add: bool, swiglu: bool) -> None:
     gen = torch.Generator().manual_seed(num_tokens * 7 + width)
     w_up, w_down = _weights(num_experts, inner, width, gen)
+    if swiglu:  # Granite's experts: the gate's rows, then the up's
+        w_up = torch.cat([_weights(num_experts, inner, width, gen)[0], w_up], dim=1)
     x = torch.randn(num_tokens, width, generator=gen, dtype=torch.float64)
     ids = _random_ids(num_tokens, num_experts, top_k, gen)
     if case == "all on the same experts":
@@ -182,11 +184,12 @@ def test_fused_moe_equals_the_reference(dtype: torch.dtype, case: str, num_token
 
     # The reference on the same rounded inputs, in float64.
     x_r, up_r, down_r = (dev(t).cpu().double() for t in (x, w_up, w_down))
-    want = fused_moe_ref(x_r, up_r, down_r, ids, weights.float().double())
+    want = fused_moe_ref(x_r, up_r, down_r, ids, weights.float().double(), swiglu=swiglu)
     if add is not None:
         want = want + dev(add).cpu().double()
     got = fused_moe_triton(dev(x), dev(w_up), dev(w_down), ids.to(torch.int32).to(DEVICE), weights.float().to(DEVICE),
-                           add=None if add is None else dev(add), config=_small_tiles(num_tokens * top_k, num_experts))
+                           add=None if add is None else dev(add), config=_small_tiles(num_tokens * top_k, num_experts),
+                           swiglu=swiglu)
     assert got.dtype == dtype and got.shape == (num_tokens, width)
     scale = want.abs().max().item()
     torch.testing.assert_close(got.cpu().double(), want, atol=TOL[dtype] * scale, rtol=TOL[dtype])

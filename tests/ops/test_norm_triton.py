@@ -90,16 +90,22 @@ if CUDA:
 
 @pytest.mark.parametrize(("shape", "group_size"), GATED)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gated_rms_norm_matches_reference(shape: tuple[int, ...], group_size: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("before", [False, True])  # Falcon-H1's norm before the gate
+def test_gated_rms_norm_matches_reference(shape: tuple[int, ...], group_size: int, dtype: torch.dtype,
+                                          before: bool) -> None:
     gen = torch.Generator().manual_seed(group_size)
     x = randn(gen, *shape, dtype=dtype)
     z = randn(gen, *shape, dtype=dtype, strided=True)  # a slice of the input projection in the mixer
     w = randn(gen, shape[-1], dtype=dtype)
-    out = gated_rms_norm_triton(x, z, w, EPS, group_size)
+    out = gated_rms_norm_triton(x, z, w, EPS, group_size, before)
     assert out.dtype == dtype and out.shape == x.shape
-    close(out, gated_rms_norm_ref(x.double(), z.double(), w.double(), EPS, group_size))
+    want = gated_rms_norm_ref(x.double(), z.double(), w.double(), EPS, group_size, before)
+    close(out, want)
+    # The two orders differ: a kernel that ignored the flag fails one of the two.
+    assert not torch.allclose(want, gated_rms_norm_ref(x.double(), z.double(), w.double(), EPS, group_size,
+                                                       not before), atol=1e-3)
     if dtype != torch.float32:
-        close(out, gated_rms_norm_ref(x, z, w, EPS, group_size))
+        close(out, gated_rms_norm_ref(x, z, w, EPS, group_size, before))
 
 
 @cuda_only
