@@ -14,6 +14,11 @@ split it writes the output; with several (few rows: splits fill the card) each w
 normalised partial and its log-sum-exp, and ``_combine_kernel`` merges them. The split count is
 a host choice from the row count and the block-table width, never from the data: a split whose
 share of a short context is empty writes a zero-weight partial.
+
+FP8 KV caches (float8_e4m3fn, per-tensor k_scale and v_scale): the write kernel stores
+``to_fp8_cache``'s codes of the step's K/V, and attention loads FP8 tiles (half the bytes), widens
+them to q's dtype in registers and folds the scales: k_scale into the softmax scale, v_scale into
+the output.
 """
 
 from __future__ import annotations
@@ -65,9 +70,9 @@ def _write_kv_kernel(
     mask = (offs_h < num_heads)[:, None] & (offs_d < head_dim)[None, :]
     k = tl.load(k_ptr + t * s_k_t + offs_h[:, None] * s_k_h + offs_d[None, :] * s_k_d, mask=mask)
     v = tl.load(v_ptr + t * s_v_t + offs_h[:, None] * s_v_h + offs_d[None, :] * s_v_d, mask=mask)
-    if FP8:  # to_fp8_cache: x * (1 / scale) in fp32, saturated (a plain cast of a larger value gives NaN)
-        k = _round_to_e4m3(tl.minimum(tl.maximum(k.to(tl.float32) * k_inv_scale, -FP8_LIMIT), FP8_LIMIT))
-        v = _round_to_e4m3(tl.minimum(tl.maximum(v.to(tl.float32) * v_inv_scale, -FP8_LIMIT), FP8_LIMIT))
+    if FP8:  # to_fp8_cache: x * (1 / scale) in fp32, saturated (a plain cast of a larger value gives NaN); NaN stays
+        k = _round_to_e4m3(tl.clamp(k.to(tl.float32) * k_inv_scale, -FP8_LIMIT, FP8_LIMIT, tl.PropagateNan.ALL))
+        v = _round_to_e4m3(tl.clamp(v.to(tl.float32) * v_inv_scale, -FP8_LIMIT, FP8_LIMIT, tl.PropagateNan.ALL))
     kc = kc_ptr + block * s_kc_b + offset * s_kc_s + offs_h[:, None] * s_kc_h + offs_d[None, :] * s_kc_d
     vc = vc_ptr + block * s_vc_b + offset * s_vc_s + offs_h[:, None] * s_vc_h + offs_d[None, :] * s_vc_d
     tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=mask)
@@ -83,7 +88,8 @@ def write_kv_cache_triton(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor
         k, v: (T, Hkv, Dh), any strides.
         k_cache, v_cache: (num_blocks, block_size, Hkv, Dh), any strides; values are cast to the
             cache dtype, or for float8_e4m3fn caches stored as ``x / scale`` rounded to the nearest
-            FP8 value (ties to even), saturating at +-448.
+            FP8 value (ties to even), saturating at +-448; NaN stays NaN (on the GPU: the interpreter's
+            cast has no FP8 NaN).
         slot_mapping: (T,) int32/int64 flat slot = block * block_size + offset; slot -1 (padding)
             writes nothing. Valid slots must be distinct.
         k_scale, v_scale: an FP8 cache's per-tensor scales (unused for other caches); host floats,

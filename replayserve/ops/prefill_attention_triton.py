@@ -22,6 +22,9 @@ scratch follow from shapes alone a CUDA graph could capture it too.
 
 Within a sequence the tiles run last first: the last sees the most keys, so the longest programs
 start first and the short ones fill in behind them.
+
+An FP8 KV cache's tiles are loaded as FP8 and widened to q's dtype for the tensor-core products;
+its k_scale multiplies the softmax scale and its v_scale the output.
 """
 
 from __future__ import annotations
