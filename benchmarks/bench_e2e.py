@@ -21,7 +21,9 @@ then with the Linears quantized to FP8 in memory as `replayserve quantize` and l
 (NVIDIA's exclusions; the MoE experts, routed and shared, FP8 with one scale per expert, read
 by the fused MoE kernel as FP8; dense activations scaled per call, the experts' kept 16-bit;
 backends named `+fp8`). Each MoE layer's 16-bit expert stack is freed once its experts are
-quantized, so the peak is the 16-bit model plus one layer.
+quantized, so the peak is the 16-bit model plus one layer. `--kv-cache-dtype auto fp8` likewise
+runs every row with the model dtype's KV cache and with an FP8 one (backends named `+kv8`; the
+roofline counts the cache's bytes).
 Rows that do not fit in device memory are skipped. Each engine's KV blocks and Mamba
 slots are sized for its batch and lengths, and freed before the next row.
 
@@ -29,6 +31,7 @@ slots are sized for its batch and lengths, and freed before the next row.
         [--batch 1 16 64 256 512 --repeats 5]                                         # ~3.5 min
     python benchmarks/bench_e2e.py --device cpu --size small     # float32, under a minute
     python benchmarks/bench_e2e.py --device cuda --size nemotron-h-8b --quantization none fp8   # bf16 vs FP8
+    python benchmarks/bench_e2e.py --device cuda --size nemotron-h-8b --kv-cache-dtype auto fp8  # bf16 vs FP8 KV
     python benchmarks/bench_e2e.py --device cuda --size nemotron-3-nano-30b-a3b --batch 1 64 --skip-prefill \
         --backends replay-async --steps 32 --repeats 3 --quantization none fp8   # FP8 experts: issue 40's bar
     python benchmarks/bench_e2e.py --device cuda --size qwen3.5-9b --batch 1 256 --prompt-len 4 --skip-prefill
@@ -80,6 +83,7 @@ from replayserve.ssm.layout import GatedDeltaLayout, MambaLayout  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("none", "fp8")
+KV_TAGS = {"auto": "", "fp8": "+kv8"}  # --kv-cache-dtype -> the suffix of its rows' backend names
 BACKENDS = ("baseline", "replay", "baseline-eager", "replay-eager", "baseline-async", "replay-async")
 GiB = 1 << 30
 
@@ -118,8 +122,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "OpenMP threads on a busy machine make steps several times slower")
     p.add_argument("--quantization", nargs="+", choices=QUANTIZATIONS, default=["none"],
                    help="weights to time, in this order: none (the dtype's) and/or fp8 (quantized in memory)")
+    p.add_argument("--kv-cache-dtype", dest="kv_cache_dtypes", nargs="+", choices=tuple(KV_TAGS), default=["auto"],
+                   help="KV caches to time, in this order: auto (the dtype's) and/or fp8 (float8_e4m3fn, scale 1.0)")
     p.add_argument("--out", type=Path, help="directory for bench_e2e.json and bench_e2e.png")
     args = p.parse_args(argv)
+    args.kv_cache_dtype = "auto"  # the rows being timed: set per pass by main
     cuda = args.device.startswith("cuda")
     # The CPU runs the plain-PyTorch reference ops: its defaults keep a run to seconds.
     for name, gpu, cpu in (("batch", [1, 16, 64, 256], [1, 16]), ("prefill_prompts", 16, 4),
@@ -133,6 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--hf times transformers' NemotronH: {args.size} is a {FAMILY[args.size]} shape")
     # The FP8 rows quantize the model in place, so the 16-bit rows go first whatever the order given.
     args.quantization = [q for q in QUANTIZATIONS if q in args.quantization]
+    args.kv_cache_dtypes = [d for d in KV_TAGS if d in args.kv_cache_dtypes]
     return args
 
 
@@ -144,7 +152,7 @@ def engine_config(model: NemotronHForCausalLM, args: argparse.Namespace, backend
                         max_num_batched_tokens=max(args.budget, 2 * seqs), max_model_len=max_len,
                         block_size=args.block_size, ssm_backend=ssm_backend(backend),
                         replay_window=args.window, enforce_eager=backend.endswith("-eager"),
-                        async_scheduling=backend.endswith("-async"))
+                        async_scheduling=backend.endswith("-async"), kv_cache_dtype=args.kv_cache_dtype)
 
 
 def ssm_backend(backend: str) -> str:
@@ -171,8 +179,13 @@ def resident_bytes(model: NemotronHForCausalLM, config: EngineConfig) -> int:
                        ((slots, gdn.num_value_heads, ring), gdn.state_dtype)]
     mamba += gdn.num_layers * sum(math.prod(s) * d.itemsize for s, d in gdn_shapes)
     kv = (2 * m.num_attention_layers * config.resolved_num_kv_blocks * config.block_size * m.num_key_value_heads
-          * m.head_dim * dtype.itemsize)
+          * m.head_dim * kv_itemsize(config, dtype))
     return mamba + kv
+
+
+def kv_itemsize(config: EngineConfig, dtype: torch.dtype) -> int:
+    """Bytes per KV cache entry: 1 for an FP8 cache, else the model dtype's."""
+    return 1 if config.kv_cache_dtype == "fp8" else dtype.itemsize
 
 
 def fits(model: NemotronHForCausalLM, config: EngineConfig, device: torch.device) -> str | None:
@@ -232,7 +245,8 @@ def decode_row(model: NemotronHForCausalLM, args: argparse.Namespace, backend: s
         if device.type == "cuda":  # the weights alone, unless an engine leaks
             row["allocated_gb_after"] = torch.cuda.memory_allocated(device) / GiB
     wall = statistics.median(walls)
-    ops = decode_ops(model, ssm_backend(backend), config.resolved_replay_window, cached)
+    ops = decode_ops(model, ssm_backend(backend), config.resolved_replay_window, cached,
+                     kv_itemsize(config, model.backbone.embeddings.weight.dtype))
     floor = floors(ops, rates)
     row.update({"tok_s": batch * args.steps / wall, "step_ms": 1e3 * wall / args.steps, "walls_s": walls,
                 "mean_context": statistics.mean(cached) + 1, "gb_per_step": sum(op.bytes for op in ops) / 1e9,
@@ -349,7 +363,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = random_model(model_config(args.size), DTYPES[args.dtype], device, seed=args.seed)
     rates = measure_rates(device, DTYPES[args.dtype])
     params = sum(p.numel() for p in model.parameters())
-    result: dict = {"meta": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    options = {k: v for k, v in vars(args).items() if k != "kv_cache_dtype"}  # the pass's, not an option
+    result: dict = {"meta": {**{k: str(v) if isinstance(v, Path) else v for k, v in options.items()},
                              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
                              "torch": torch.__version__, "params_b": params / 1e9,
                              "weights_gb": weights_gb(model),
@@ -374,7 +389,9 @@ def main(argv: list[str] | None = None) -> dict:
             result["meta"]["fp8_expert_modules"] = sum("experts." in n for n in names)  # routed and shared
             result["meta"]["fp8_weights_gb"] = weights_gb(model)
             free_memory(device)
-        timed_rows(model, args, rates, result, tag, save)
+        for kv_cache_dtype in args.kv_cache_dtypes:
+            args.kv_cache_dtype = kv_cache_dtype
+            timed_rows(model, args, rates, result, tag + KV_TAGS[kv_cache_dtype], save)
     print_tables(result)
     if args.out:
         plot(result, args.out / "bench_e2e.png")

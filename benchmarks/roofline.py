@@ -135,10 +135,12 @@ def gdn_bytes_per_row(model: NemotronHForCausalLM, backend: str, window: int) ->
             "rings": layout.num_layers * entry * ((window + 1) / 2 + 1)}
 
 
-def kv_bytes(model: NemotronHForCausalLM, context_lens: list[float]) -> float:
-    """K and V of every attention layer read at each row's context, plus the new token written."""
+def kv_bytes(model: NemotronHForCausalLM, context_lens: list[float], itemsize: int | None = None) -> float:
+    """K and V of every attention layer read at each row's context, plus the new token written;
+    itemsize: bytes per cache entry (default: the model dtype's; 1 for an FP8 cache)."""
     cfg = model.config
-    per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * model.backbone.embeddings.weight.element_size()
+    itemsize = itemsize or model.backbone.embeddings.weight.element_size()
+    per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * itemsize
     return cfg.num_attention_layers * per_token * sum(n + 1 for n in context_lens)
 
 
@@ -146,12 +148,14 @@ def kv_bytes(model: NemotronHForCausalLM, context_lens: list[float]) -> float:
 STATE_PARTS = ("mamba state", "gdn state", "replay rings", "kv cache")
 
 
-def decode_ops(model: NemotronHForCausalLM, backend: str, window: int, context_lens: list[float]) -> list[Op]:
-    """Everything one decode step of len(context_lens) rows must move or compute."""
+def decode_ops(model: NemotronHForCausalLM, backend: str, window: int, context_lens: list[float],
+               kv_itemsize: int | None = None) -> list[Op]:
+    """Everything one decode step of len(context_lens) rows must move or compute (kv_itemsize: as
+    ``kv_bytes``'s itemsize)."""
     rows = len(context_lens)
     mamba, gdn = mamba_bytes_per_row(model, backend, window), gdn_bytes_per_row(model, backend, window)
     parts = (rows * mamba["state"], rows * gdn["state"], rows * (mamba["rings"] + gdn["rings"]),
-             kv_bytes(model, context_lens))
+             kv_bytes(model, context_lens, kv_itemsize))
     return [*weight_ops(model, rows, rows), *(Op(name, b, 0.0) for name, b in zip(STATE_PARTS, parts, strict=True))]
 
 

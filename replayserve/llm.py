@@ -38,7 +38,7 @@ class LLM:
     block_size: tokens per KV block.
     kv_cache_dtype: the KV cache's dtype: auto (the model's) or fp8 (float8_e4m3fn, half the bytes of a 16-bit
     cache; keys and values are divided by the checkpoint's k_scale and v_scale, else 1.0, before rounding;
-    attention then runs the reference ops, not the Triton kernels yet).
+    the Triton attention kernels widen it in registers, the scales folded into the softmax scale and the output).
     num_kv_blocks: KV blocks (default: on CUDA sized by gpu_memory_utilization, on CPU enough for
     max_num_seqs full sequences).
     gpu_memory_utilization: on CUDA, the share of the GPU's memory, in (0, 1], this engine may use: KV

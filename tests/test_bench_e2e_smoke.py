@@ -38,6 +38,19 @@ def test_bench_e2e_cpu_smoke(tmp_path: Path) -> None:
     assert all(r["prefill_tok_s"] > 0 and r["ttft_tok_s"] > 0 for r in result["prefill"])
 
 
+def test_bench_e2e_times_an_fp8_kv_cache_beside_the_models_dtype() -> None:
+    threads = torch.get_num_threads()
+    try:
+        result = bench_e2e.main(["--device", "cpu", "--size", "small", "--batch", "2", "--steps", "2", "--warmup", "1",
+                                 "--repeats", "1", "--prompt-len", "8", "--skip-prefill", "--backends", "baseline",
+                                 "--kv-cache-dtype", "fp8", "auto"])
+    finally:
+        torch.set_num_threads(threads)
+    assert [r["backend"] for r in result["decode"]] == ["baseline", "baseline+kv8"]
+    plain, fp8 = (r["bytes_by_part"]["kv cache"] for r in result["decode"])
+    assert fp8 == pytest.approx(plain / 4)  # float32 on the CPU: 4 bytes an entry, 1 in FP8
+
+
 def test_bench_e2e_async_rows_overlap() -> None:
     threads = torch.get_num_threads()
     try:

@@ -78,7 +78,8 @@ ENGINE_OPTIONS: dict[str, EngineOption] = {o.name: o for o in (
     EngineOption("kv_cache_dtype", str, "auto",
                  "the KV cache's dtype: auto (the model's) or fp8 (float8_e4m3fn, half the bytes of a 16-bit cache; "
                  "keys and values are divided by the checkpoint's k_scale and v_scale, else 1.0, before rounding; "
-                 "attention then runs the reference ops, not the Triton kernels yet)",
+                 "the Triton attention kernels widen it in registers, the scales folded into the softmax scale and "
+                 "the output)",
                  choices=KV_CACHE_DTYPES),
     EngineOption("num_kv_blocks", int | None, None,
                  "KV blocks (default: on CUDA sized by gpu_memory_utilization, on CPU enough for max_num_seqs "

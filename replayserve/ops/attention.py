@@ -5,10 +5,12 @@ of ``paged_attention_triton`` and ``prefill_attention_triton`` where they serve
 
 An FP8 KV cache (float8_e4m3fn K and V caches) holds ``k / k_scale`` and ``v / v_scale`` rounded to
 FP8, with per-tensor scales (a checkpoint's ``k_scale``/``v_scale``, or 1.0). The entry points
-quantize the step's K and V on the way in and fold the scales into the math: q . (k_q k_scale) is
-(q . k_q) times ``scale * k_scale``, and sum p (v_q v_scale) is v_scale times sum p v_q, so the
-attention itself reads the FP8 cache widened to the compute dtype. The Triton kernels do not take
-FP8 caches yet: those steps run the dense ops (decode; no host sync, graph-safe) and the references.
+quantize the step's K and V on the way in (``to_fp8_cache``; on the kernels' path inside the KV
+write kernel) and fold the scales into the math: q . (k_q k_scale) is (q . k_q) times
+``scale * k_scale``, and sum p (v_q v_scale) is v_scale times sum p v_q, so the attention itself
+reads the FP8 cache widened to the compute dtype. FP8 caches take the same path as 16-bit ones:
+the kernels where they serve (they widen the FP8 tiles in registers and take the scales as host
+floats, fixed per model, so graphs keep them), else the dense decode op and the references.
 """
 
 from __future__ import annotations
@@ -223,6 +225,12 @@ def _write_fp8_kv(write: Callable[..., None], k: Tensor, v: Tensor, k_cache: Ten
           k_cache.view(torch.uint8), v_cache.view(torch.uint8), slot_mapping)
 
 
+def _cache_scales(k_cache: Tensor, k_scale: float, v_scale: float) -> tuple[float, float]:
+    """The scales the cache's entries are to be multiplied by: an FP8 cache's, else 1.0 (a 16-bit
+    cache holds K and V themselves; a checkpoint's scales are read whatever the KV cache dtype)."""
+    return (k_scale, v_scale) if k_cache.dtype == FP8_DTYPE else (1.0, 1.0)
+
+
 def _times(out: Tensor, v_scale: float) -> Tensor:
     """Attention over ``v / v_scale`` brought back to the values' scale."""
     return out if v_scale == 1.0 else (out.to(compute_dtype(out.dtype)) * v_scale).to(out.dtype)
@@ -235,18 +243,19 @@ def write_kv_and_attend_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor,
     """A step of uniform decode rows (the CUDA-graph path: fixed shapes, no host sync): writes the
     step's K/V into the cache, then attends. Rows of `width` query tokens each; arguments as in
     ``paged_attention_ref``, slot_mapping and block_tables without -1 (padded rows name the pad
-    block). The Triton decode kernel on CUDA (any dtype; it reads each row's context only, not
-    its whole block table); elsewhere, and for an FP8 cache (k_scale, v_scale: its scales), the
-    dense ops. Returns (T, Hq, Dh) in q.dtype."""
-    if k_cache.dtype == FP8_DTYPE:
-        _write_fp8_kv(write_kv_cache_dense, k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-        return _times(decode_attention_dense(q, k_cache, v_cache, block_tables, seq_lens, scale * k_scale), v_scale)
+    block); k_scale, v_scale: an FP8 cache's scales. The Triton write and decode kernels on CUDA
+    (any dtype, FP8 caches too; it reads each row's context only, not its whole block table);
+    elsewhere the dense ops. Returns (T, Hq, Dh) in q.dtype."""
+    k_scale, v_scale = _cache_scales(k_cache, k_scale, v_scale)
     if use_triton(q, None):
         from replayserve.ops.paged_attention_triton import paged_decode_attention_triton, write_kv_cache_triton
 
-        write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+        write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                             max_query_len=width)
+                                             max_query_len=width, k_scale=k_scale, v_scale=v_scale)
+    if k_cache.dtype == FP8_DTYPE:
+        _write_fp8_kv(write_kv_cache_dense, k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return _times(decode_attention_dense(q, k_cache, v_cache, block_tables, seq_lens, scale * k_scale), v_scale)
     write_kv_cache_dense(k, v, k_cache, v_cache, slot_mapping)
     return decode_attention_dense(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
@@ -255,20 +264,22 @@ def write_kv_and_attend(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cach
                         block_tables: Tensor, query_start_loc: Tensor, seq_lens: Tensor, scale: float,
                         k_scale: float = 1.0, v_scale: float = 1.0) -> Tensor:
     """Any other step (prefill chunks, mixed prefill and decode): writes the step's K/V into the
-    cache (``write_kv_cache_ref``'s arguments), then ``paged_attention_ref``. The Triton varlen
-    kernel, one launch for the whole batch with no host sync and no scores in memory, where it
-    serves and takes the head size (``prefill_kernel_head_dim``); elsewhere (the CPU, float64)
-    the references, which also serve an FP8 cache (k_scale, v_scale: its scales). Returns (T, Hq,
-    Dh) in q.dtype."""
-    if k_cache.dtype == FP8_DTYPE:
-        _write_fp8_kv(write_kv_cache_ref, k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-        return _times(paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                                          scale * k_scale), v_scale)
+    cache (``write_kv_cache_ref``'s arguments), then ``paged_attention_ref``; k_scale, v_scale: an
+    FP8 cache's scales. The Triton write and varlen kernels, one launch each for the whole batch
+    with no host sync and no scores in memory, where they serve and take the head size
+    (``prefill_kernel_head_dim``), FP8 caches too; elsewhere (the CPU, float64) the references.
+    Returns (T, Hq, Dh) in q.dtype."""
+    k_scale, v_scale = _cache_scales(k_cache, k_scale, v_scale)
     if use_triton(q) and prefill_kernel_head_dim(q.shape[-1]):
         from replayserve.ops.paged_attention_triton import write_kv_cache_triton
         from replayserve.ops.prefill_attention_triton import paged_prefill_attention_triton
 
-        write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
-        return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+        write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                              k_scale=k_scale, v_scale=v_scale)
+    if k_cache.dtype == FP8_DTYPE:
+        _write_fp8_kv(write_kv_cache_ref, k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return _times(paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                                          scale * k_scale), v_scale)
     write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)

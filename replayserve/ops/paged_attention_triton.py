@@ -14,6 +14,11 @@ split it writes the output; with several (few rows: splits fill the card) each w
 normalised partial and its log-sum-exp, and ``_combine_kernel`` merges them. The split count is
 a host choice from the row count and the block-table width, never from the data: a split whose
 share of a short context is empty writes a zero-weight partial.
+
+FP8 KV caches (float8_e4m3fn, per-tensor k_scale and v_scale): the write kernel stores
+``to_fp8_cache``'s codes of the step's K/V, and attention loads FP8 tiles (half the bytes), widens
+them to q's dtype in registers and folds the scales: k_scale into the softmax scale, v_scale into
+the output.
 """
 
 from __future__ import annotations
@@ -26,14 +31,33 @@ import triton.language as tl
 from torch import Tensor
 
 from replayserve.ops.attention_limits import SHORT_ROW
+from replayserve.ops.fp8 import FP8_DTYPE, FP8_MAX
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """x (fp32, |x| <= 448) rounded to the nearest float8_e4m3fn value, ties to even, still in fp32.
+    The interpreter's fp32 -> FP8 cast rounds wrongly (fp8_gemv_triton.py), but casts a value FP8
+    holds exactly; rounding first gives the interpreter and the GPU the same codes. Adding and then
+    subtracting 1.5 * 2^23 * quantum rounds |x| to a multiple of the quantum, the spacing of e4m3 in
+    x's binade: 2^(e - 3) for 2^e <= |x|, and 2^-9 below 2^-6 (the subnormals)."""
+    mag = tl.abs(x)
+    mag_bits = mag.to(tl.int32, bitcast=True)
+    exponent = tl.maximum((mag_bits >> 23) - 127, -6)
+    shifter = (((exponent + 147) << 23) | 0x400000).to(tl.float32, bitcast=True)  # 1.5 * 2^(exponent - 3 + 23)
+    rounded = (mag + shifter) - shifter
+    # x's sign bit put back as a bit (negation is 0 - x): a value that rounds to zero stays -0.0 if
+    # it was negative, as torch's cast keeps it.
+    sign = x.to(tl.int32, bitcast=True) ^ mag_bits
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, block_size, num_heads, head_dim,
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_inv_scale, v_inv_scale, block_size, num_heads, head_dim,
     s_k_t, s_k_h, s_k_d, s_v_t, s_v_h, s_v_d,
     s_kc_b, s_kc_s, s_kc_h, s_kc_d, s_vc_b, s_vc_s, s_vc_h, s_vc_d,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr, FP8_LIMIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -46,21 +70,30 @@ def _write_kv_kernel(
     mask = (offs_h < num_heads)[:, None] & (offs_d < head_dim)[None, :]
     k = tl.load(k_ptr + t * s_k_t + offs_h[:, None] * s_k_h + offs_d[None, :] * s_k_d, mask=mask)
     v = tl.load(v_ptr + t * s_v_t + offs_h[:, None] * s_v_h + offs_d[None, :] * s_v_d, mask=mask)
+    if FP8:  # to_fp8_cache: x * (1 / scale) in fp32, saturated (a plain cast of a larger value gives NaN); NaN stays
+        k = _round_to_e4m3(tl.clamp(k.to(tl.float32) * k_inv_scale, -FP8_LIMIT, FP8_LIMIT, tl.PropagateNan.ALL))
+        v = _round_to_e4m3(tl.clamp(v.to(tl.float32) * v_inv_scale, -FP8_LIMIT, FP8_LIMIT, tl.PropagateNan.ALL))
     kc = kc_ptr + block * s_kc_b + offset * s_kc_s + offs_h[:, None] * s_kc_h + offs_d[None, :] * s_kc_d
     vc = vc_ptr + block * s_vc_b + offset * s_vc_s + offs_h[:, None] * s_vc_h + offs_d[None, :] * s_vc_d
     tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=mask)
     tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
-def write_kv_cache_triton(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    """``write_kv_cache_ref`` on the GPU: scatter new K/V tokens into a paged cache, IN PLACE.
+def write_kv_cache_triton(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+                          k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """``write_kv_cache_ref`` on the GPU: scatter new K/V tokens into a paged cache, IN PLACE; into an
+    FP8 cache, ``to_fp8_cache``'s codes of them.
 
     Arguments:
         k, v: (T, Hkv, Dh), any strides.
         k_cache, v_cache: (num_blocks, block_size, Hkv, Dh), any strides; values are cast to the
-            cache dtype.
+            cache dtype, or for float8_e4m3fn caches stored as ``x / scale`` rounded to the nearest
+            FP8 value (ties to even), saturating at +-448; NaN stays NaN (on the GPU: the interpreter's
+            cast has no FP8 NaN).
         slot_mapping: (T,) int32/int64 flat slot = block * block_size + offset; slot -1 (padding)
             writes nothing. Valid slots must be distinct.
+        k_scale, v_scale: an FP8 cache's per-tensor scales (unused for other caches); host floats,
+            fixed per model, so a captured graph keeps them.
     """
     if k.shape != v.shape:
         raise ValueError(f"k shape {tuple(k.shape)} != v shape {tuple(v.shape)}")
@@ -69,13 +102,17 @@ def write_kv_cache_triton(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor
     if k_cache.shape != v_cache.shape or k_cache.shape[2:] != k.shape[1:]:
         raise ValueError(f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} must be "
                          f"(num_blocks, block_size, {k.shape[1]}, {k.shape[2]})")
+    fp8 = k_cache.dtype == FP8_DTYPE
+    if fp8 != (v_cache.dtype == FP8_DTYPE):
+        raise ValueError(f"k_cache {k_cache.dtype} and v_cache {v_cache.dtype}: both FP8 or neither")
     tokens, num_heads, head_dim = k.shape
     if tokens == 0:
         return
     _write_kv_kernel[(tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, k_cache.shape[1], num_heads, head_dim,
+        k, v, k_cache, v_cache, slot_mapping, 1.0 / k_scale, 1.0 / v_scale, k_cache.shape[1], num_heads, head_dim,
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
-        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8=fp8, FP8_LIMIT=FP8_MAX, BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
     )
 
 
@@ -94,7 +131,7 @@ def _row_queries(qsl_ptr, row, group, W: tl.constexpr, BLOCK_M: tl.constexpr):
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, sl_ptr, out_ptr, po_ptr, plse_ptr,
-    scale, group, head_dim, block_size,
+    scale, v_scale, group, head_dim, block_size,
     s_q_t, s_q_h, s_q_d,
     s_k_b, s_k_s, s_k_h, s_k_d,
     s_v_b, s_v_s, s_v_h, s_v_d,
@@ -130,7 +167,8 @@ def _paged_decode_kernel(
         pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         block = tl.load(bt_row + (pos // block_size) * s_bt_b, mask=pos < seq_len, other=-1).to(tl.int64)
         # Positions past the context or behind a -1 table entry are never read: the cache there
-        # may hold anything, even NaN.
+        # may hold anything, even NaN. An FP8 cache is widened here, exactly (its scales are folded
+        # into `scale` and `v_scale`).
         live = block >= 0
         block = tl.where(live, block, 0)
         offset = pos % block_size
@@ -149,7 +187,8 @@ def _paged_decode_kernel(
         m_i = m_new
 
     seen = l_i > 0.0
-    o = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+    # sum p (v_q v_scale) = v_scale sum p v_q; the splits' merge is a weighted mean, so it keeps the factor.
+    o = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None] * v_scale, 0.0)
     if NUM_SPLITS == 1:
         out = out_ptr + (q_start + tok)[:, None] * s_o_t + head[:, None] * s_o_h + offs_d[None, :] * s_o_d
         tl.store(out, o.to(out_ptr.dtype.element_ty), mask=real[:, None] & mask_d[None, :])
@@ -234,13 +273,16 @@ def paged_decode_attention_triton(
     scale: float,
     max_query_len: int = SHORT_ROW,
     num_splits: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Tensor:
     """``paged_attention_ref`` for decode and speculative-verify rows (1..max_query_len query tokens).
 
     Arguments:
         q: (T, Hq, Dh) the query tokens of all rows concatenated; fp32, bf16 or fp16.
         k_cache, v_cache: (num_blocks, block_size, Hkv, Dh), any strides, Hq % Hkv == 0; query head
-            h reads KV head h // (Hq // Hkv). Read in q's dtype.
+            h reads KV head h // (Hq // Hkv). Read in q's dtype: 16/32-bit, or float8_e4m3fn holding
+            k / k_scale and v / v_scale (widened exactly).
         block_tables: (S, max_blocks) int32/int64 on the device, padded with -1.
         query_start_loc: (S+1,) int32/int64 on the device; row s owns q tokens
             [query_start_loc[s], query_start_loc[s+1]), at most ``max_query_len`` of them (a graph
@@ -253,6 +295,9 @@ def paged_decode_attention_triton(
         max_query_len: W, a host constant (the bucket's width); a row with more tokens gets only its
             first W computed. Smaller W packs fewer query vectors per program.
         num_splits: splits of each row's context (None: ``default_num_splits``).
+        k_scale, v_scale: an FP8 cache's per-tensor scales (1.0 for other caches): the scores are
+            (q . k_q) * scale * k_scale and the output v_scale * sum p v_q. Host floats, fixed per
+            model, so a captured graph keeps them.
 
     Returns:
         (T, Hq, Dh) in q.dtype; fp32 scores, softmax and accumulation (the probabilities are rounded
@@ -268,6 +313,8 @@ def paged_decode_attention_triton(
     if k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
         raise ValueError(f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} must be "
                          f"(num_blocks, block_size, Hkv, {head_dim})")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype} and v_cache {v_cache.dtype}: they must be one dtype")
     if query_start_loc.shape != (rows + 1,) or seq_lens.shape != (rows,):
         raise ValueError(f"query_start_loc {tuple(query_start_loc.shape)} and seq_lens {tuple(seq_lens.shape)} "
                          f"must be ({rows + 1},) and ({rows},) for {rows} block-table rows")
@@ -290,7 +337,7 @@ def paged_decode_attention_triton(
     meta = {"W": max_query_len, "NUM_SPLITS": splits, "BLOCK_M": block_m, "BLOCK_D": block_d}
     _paged_decode_kernel[(rows, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, partial_o, partial_lse,
-        float(scale), group, head_dim, block_size,
+        float(scale) * k_scale, float(v_scale), group, head_dim, block_size,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **meta, **config,
     )

@@ -22,6 +22,9 @@ scratch follow from shapes alone a CUDA graph could capture it too.
 
 Within a sequence the tiles run last first: the last sees the most keys, so the longest programs
 start first and the short ones fill in behind them.
+
+An FP8 KV cache's tiles are loaded as FP8 and widened to q's dtype for the tensor-core products;
+its k_scale multiplies the softmax scale and its v_scale the output.
 """
 
 from __future__ import annotations
@@ -79,6 +82,8 @@ def _attend_key_tile(
     else:
         k = tl.load(k_rows)
         v = tl.load(v_rows)
+    # To q's dtype for the products: an FP8 cache is widened exactly (its scales are folded into
+    # qk_scale and the output's v_scale).
     k = k.to(q.dtype)
     v = v.to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
@@ -97,7 +102,7 @@ def _attend_key_tile(
 @triton.jit(do_not_specialize=["num_seqs", "s_bt_s"])
 def _paged_prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, sl_ptr, out_ptr,
-    qk_scale, num_seqs, group, block_size,
+    qk_scale, v_scale, num_seqs, group, block_size,
     s_q_t, s_q_h, s_q_d,
     s_k_b, s_k_s, s_k_h, s_k_d,
     s_v_b, s_v_s, s_v_h, s_v_d,
@@ -148,7 +153,7 @@ def _paged_prefill_kernel(
             BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, MASKED=True, DOT_PRECISION=DOT_PRECISION)
 
     seen = l_i > 0.0
-    o = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+    o = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None] * v_scale, 0.0)  # sum p v_q v_scale
     out = out_ptr + (q_start + tok)[:, None] * s_o_t + head[:, None] * s_o_h + offs_d[None, :] * s_o_d
     tl.store(out, o.to(out_ptr.dtype.element_ty), mask=real[:, None])
 
@@ -184,6 +189,8 @@ def paged_prefill_attention_triton(
     seq_lens: Tensor,
     scale: float,
     tiles: dict[str, int] | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Tensor:
     """``paged_attention_ref`` on the GPU for any step: causal GQA attention of packed sequences of any
     number of query tokens (prefill chunks, with or without a cached prefix, and decode rows alike).
@@ -192,7 +199,8 @@ def paged_prefill_attention_triton(
         q: (T, Hq, Dh) the query tokens of all sequences concatenated; fp32, bf16 or fp16; Dh a power
             of two in [16, 256].
         k_cache, v_cache: (num_blocks, block_size, Hkv, Dh), any strides, any block_size >= 1,
-            Hq % Hkv == 0; query head h reads KV head h // (Hq // Hkv). Read in q's dtype.
+            Hq % Hkv == 0; query head h reads KV head h // (Hq // Hkv). Read in q's dtype: 16/32-bit, or
+            float8_e4m3fn holding k / k_scale and v / v_scale (widened exactly).
         block_tables: (S, max_blocks) int32/int64 on the device, padded with -1.
         query_start_loc: (S+1,) int32/int64 on the device, non-decreasing from 0, at most T at the end;
             sequence s owns q tokens [query_start_loc[s], query_start_loc[s+1]) (q_len of them, may be 0).
@@ -201,6 +209,8 @@ def paged_prefill_attention_triton(
             positions 0 .. seq_len - q_len + i.
         scale: multiplier applied to q.k scores.
         tiles: overrides of ``_tiles`` (BLOCK_M, BLOCK_N, num_warps, num_stages), for tests and tuning.
+        k_scale, v_scale: an FP8 cache's per-tensor scales (1.0 for other caches): the scores are
+            (q . k_q) * scale * k_scale and the output v_scale * sum p v_q. Host floats, fixed per model.
 
     Returns:
         (T, Hq, Dh) in q.dtype; fp32 scores, softmax and accumulation (the probabilities are rounded to
@@ -219,6 +229,8 @@ def paged_prefill_attention_triton(
     if k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
         raise ValueError(f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} must be "
                          f"(num_blocks, block_size, Hkv, {head_dim})")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype} and v_cache {v_cache.dtype}: they must be one dtype")
     if query_start_loc.shape != (rows + 1,) or seq_lens.shape != (rows,):
         raise ValueError(f"query_start_loc {tuple(query_start_loc.shape)} and seq_lens {tuple(seq_lens.shape)} "
                          f"must be ({rows + 1},) and ({rows},) for {rows} block-table rows")
@@ -231,7 +243,7 @@ def paged_prefill_attention_triton(
     tq = block_m // group  # query tokens per tile
     _paged_prefill_kernel[(tokens // tq + rows, num_kv_heads)](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        float(scale) * LOG2_E, rows, group, k_cache.shape[1],
+        float(scale) * k_scale * LOG2_E, float(v_scale), rows, group, k_cache.shape[1],
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         TQ=tq, BLOCK_M=block_m, HEAD_DIM=head_dim,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **config,

@@ -244,6 +244,27 @@ def test_an_fp8_kv_cache_takes_the_checkpoints_scales_and_every_mode_agrees_on_i
     assert same >= 0.6
 
 
+def test_on_the_kernels_path_an_fp8_kv_cache_gives_the_reference_paths_greedy_tokens(tmp_path: Path) -> None:
+    """kv_cache_dtype "fp8" with the checkpoint's k_scale/v_scale, float32: every op on its Triton
+    kernel (in the interpreter), the KV write and the varlen attention kernel on FP8 caches, prompts
+    in chunks of a 16-token budget (later chunks attend to a cached prefix, decode rows join them);
+    the same greedy tokens as the reference path. Eager steps (no CUDA graphs) all take the varlen
+    kernel; the decode kernel's entry point is checked in tests/ops/test_attention_fp8_kernels.py.
+    Without input scales: the interpreter rounds activations to FP8 wrongly (ops/fp8_gemv_triton.py)."""
+    no_input_scales = {n: None for n in load_file(str(FIXTURE / "model.safetensors")) if n.endswith("input_scale")}
+    model = rewritten(tmp_path / "fp8", no_input_scales)
+    work = prompts(6, seed=9)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    runs = []
+    for kernels in (True, False):
+        with force_triton() if kernels else contextlib.nullcontext():
+            llm = LLM(str(model), dtype="float32", device="cpu", warmup=False, kv_cache_dtype="fp8",
+                      max_num_batched_tokens=16)
+            assert all(k.dtype == v.dtype == FP8_DTYPE for k, v in llm.engine.runner.kv_caches)
+            runs.append([o.outputs[0].token_ids for o in llm.generate(work, params, use_tqdm=False)])
+    assert runs[0] == runs[1]
+
+
 def test_kv_cache_dtype_takes_auto_or_fp8() -> None:
     from replayserve.config import ConfigError
 
