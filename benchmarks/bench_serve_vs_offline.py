@@ -18,6 +18,9 @@ for both sides; `--max-num-seqs` defaults to the highest level, not 64), on a fr
 0 is a clean stop). Offline: `LLM` in this process once the server has exited (the device holds one
 engine at a time), each wave stepped by `offline_waves.offline_wave`, whose docstring defines the
 offline times: TTFT runs from the send to the end of the `step()` that read the first token back.
+A closed-loop follow-up reaches a server while the next step runs, so it waits for that step;
+offline queues it before that step unless `--offline-follow-up-steps 1` holds it back one step()
+call (`0 1` runs both and prints the second beside the table).
 `--size SHAPE` (instead of `--model`) writes a random-weight checkpoint of a benchmark shape
 (`shapes.write_checkpoint`, drawn on the device) to `--checkpoint-dir` (default: a temporary directory
 under /tmp, removed at the end) that both sides load: nemotron-h-8b is 16 GB of bfloat16 safetensors
@@ -25,7 +28,8 @@ under /tmp, removed at the end) that both sides load: nemotron-h-8b is 16 GB of 
 the shape is reused.
 
     python benchmarks/bench_serve_vs_offline.py --size nemotron-h-8b --device cuda --ssm-backend replay \\
-        --async-scheduling --input-len 1024 --output-len 128 --runs 10 --out serve_vs_offline.json
+        --async-scheduling --input-len 1024 --output-len 128 --runs 10 --offline-follow-up-steps 0 1 \\
+        --out serve_vs_offline.json
     python benchmarks/bench_serve_vs_offline.py --device cpu --concurrency-levels 1 2 --input-len 8 --output-len 4
 """
 
@@ -96,6 +100,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128, help="output tokens (default %(default)s)")
     p.add_argument("--range-ratio", type=float, default=0.0,
                    help="lengths are uniform in [len*(1-r), len*(1+r)] (default %(default)s)")
+    p.add_argument("--offline-follow-up-steps", type=int, nargs="+", default=[0],
+                   help="offline, a closed-loop follow-up is queued this many step() calls after the response "
+                        "that freed its slot (offline_waves.offline_wave); several values run the offline waves "
+                        "once each, the first fills the table (default %(default)s; 1 is when a server sees it)")
     p.add_argument("--skip-warmup", action="store_true", help="no untimed warm-up waves")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
     p.add_argument("--startup-timeout", type=float, default=900, help="seconds to /health 200 (default %(default)s)")
@@ -213,28 +221,35 @@ def _server_counters(url: str) -> dict[str, float]:
     return values
 
 
-def run_offline(model_dir: str, options: dict[str, Any], warmups: list[Wave], waves: list[Wave]) -> list[dict]:
-    """Each wave on `LLM(model_dir, **options)` after the warm-ups; its summaries."""
+def run_offline(model_dir: str, options: dict[str, Any], warmups: list[Wave], waves: list[Wave],
+                follow_up_steps: list[int]) -> list[list[dict]]:
+    """Each wave on `LLM(model_dir, **options)` after the warm-ups, once per `follow_up_steps` value;
+    its summaries, a list per value."""
     llm = LLM(model=model_dir, **options)
     try:
         for wave in warmups:
             offline_wave(llm.engine, wave.workload, wave.arrivals, wave.in_flight)
-        rows = []
-        for wave in waves:
-            steps = llm.engine.num_steps
-            results, duration, most = offline_wave(llm.engine, wave.workload, wave.arrivals, wave.in_flight)
-            ok = [r.ttft for r in results if r.ok]
-            rows.append({**summarize(results, duration), "most_in_flight": most,
-                         "errors": sorted({r.error for r in results if not r.ok}),
-                         "ttft_mean_ms": 1000 * sum(ok) / len(ok) if ok else math.nan,
-                         "engine_steps": llm.engine.num_steps - steps})
-        return rows
+        return [_offline_rows(llm, waves, delay) for delay in follow_up_steps]
     finally:
         llm.close()
         del llm
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _offline_rows(llm: LLM, waves: list[Wave], follow_up_steps: int) -> list[dict]:
+    rows = []
+    for wave in waves:
+        steps = llm.engine.num_steps
+        results, duration, most = offline_wave(llm.engine, wave.workload, wave.arrivals, wave.in_flight,
+                                               follow_up_steps)
+        ok = [r.ttft for r in results if r.ok]
+        rows.append({**summarize(results, duration), "most_in_flight": most,
+                     "errors": sorted({r.error for r in results if not r.ok}),
+                     "ttft_mean_ms": 1000 * sum(ok) / len(ok) if ok else math.nan,
+                     "engine_steps": llm.engine.num_steps - steps, "follow_up_steps": follow_up_steps})
+    return rows
 
 
 def git_commit() -> str:
@@ -294,10 +309,11 @@ def compare(args: argparse.Namespace, model_dir: str, options: dict[str, Any], s
         served, poisson, runs = run_server(url, args, make, warmups, closed)
     finally:
         meta["server_exit_code"] = stop_server(proc, 60)
-    offline = run_offline(model_dir, options, warmups, closed + poisson)
+    offline, *others = run_offline(model_dir, options, warmups, closed + poisson, args.offline_follow_up_steps)
     rows = [{"name": w.name, "requests": len(w.workload), "in_flight": w.in_flight,
-             "rate": w.rate if math.isfinite(w.rate) else None, "server": s, "offline": o}
-            for w, s, o in zip(closed + poisson, served, offline, strict=True)]
+             "rate": w.rate if math.isfinite(w.rate) else None, "server": s, "offline": o,
+             "offline_other_follow_ups": [other[i] for other in others]}
+            for i, (w, s, o) in enumerate(zip(closed + poisson, served, offline, strict=True))]
     return {"meta": meta, "rows": rows,
             "runs": {"in_flight": levels[-1], "requests": len(closed[-1].workload), "server": runs}}
 
@@ -363,6 +379,12 @@ def print_report(result: dict[str, Any]) -> None:
               f"{s.get('server_side_ttft_mean_ms', math.nan):.0f}, core {s.get('core_ttft_mean_ms', math.nan):.0f}, "
               f"offline {o.get('ttft_mean_ms', math.nan):.0f}; steps server {s.get('engine_steps', math.nan):.0f}, "
               f"offline {o.get('engine_steps', math.nan):.0f}")
+    for row in result["rows"]:
+        for other in row.get("offline_other_follow_ups", []):
+            print(f"  {row['name']}, offline follow-ups queued {other['follow_up_steps']} step(s) later: TTFT p50 "
+                  f"{other.get('ttft_p50_ms', math.nan):.0f} ms (server / offline "
+                  f"{_ratio(row['server'].get('ttft_p50_ms', math.nan), other.get('ttft_p50_ms', math.nan)):.2f}x), "
+                  f"output tok/s {other['output_tok_s']:.0f}")
     runs = result["runs"]
     rates = [r["output_tok_s"] for r in runs["server"]]
     print(f"\n{len(rates)} server run(s) of {runs['requests']} requests at {runs['in_flight']} in flight: "

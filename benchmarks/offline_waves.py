@@ -7,7 +7,10 @@ what an interruption leaves). Times are what a caller of the engine loop sees:
 
 - A request is sent at its arrival time, or, when `in_flight` requests are already in the engine,
   at the end of the step that finished one of them (a closed-loop client sends its next request
-  when a response ends; here it is queued before the next step is planned).
+  when a response ends). With `follow_up_steps=0` such a follow-up is queued before the next step
+  is planned, which no networked client can do; `follow_up_steps=1` queues it after one more
+  `step()` call, as a server sees it: the client's request arrives while the next step runs and
+  waits for it to end. Its TTFT still counts from when it was sent.
 - Its first token appears at the end of the `step()` call after which its `output_token_ids` is
   no longer empty (tokens reach the host inside `step()`; with async scheduling that is the call
   that reads the step back). TTFT is that time minus the send time; each later step that adds
@@ -29,11 +32,14 @@ from replayserve.sampling_params import SamplingParams
 
 
 def offline_wave(engine: Engine, workload: list[tuple[list[int], int]], arrivals: list[float],
-                 in_flight: int | None = None) -> tuple[list[Result], float, int]:
+                 in_flight: int | None = None, follow_up_steps: int = 0) -> tuple[list[Result], float, int]:
     """Runs `workload` ((prompt ids, output tokens) per request, each sent `arrivals[i]` seconds after
     the start, at most `in_flight` in the engine at once; None: no cap beyond the engine's own
-    `max_num_seqs`) greedily with EOS ignored. Returns the results in workload order, the wave's
-    seconds and the most requests that were in the engine at once."""
+    `max_num_seqs`) greedily with EOS ignored; a request sent when room opens is queued
+    `follow_up_steps` step() calls later (the module docstring says why). Returns the results in
+    workload order, the wave's seconds and the most requests that were in the engine at once."""
+    if follow_up_steps < 0:
+        raise ValueError(f"follow_up_steps must be >= 0, got {follow_up_steps}")
     if engine.has_unfinished():
         raise RuntimeError("offline_wave needs an idle engine: another caller's requests would share its steps")
     cap = in_flight or len(workload)
@@ -47,10 +53,14 @@ def offline_wave(engine: Engine, workload: list[tuple[list[int], int]], arrivals
     most = 0
     start = time.perf_counter()
     room_since, end = start, start  # room_since: when the engine last went from full to having room
+    steps, room_step = 0, 0  # step() calls so far, and how many had run when room opened
     try:
         while pending or active:
             now = time.perf_counter()
             while pending and len(active) < cap and start + arrivals[pending[0]] <= now:
+                if (room_since > start + arrivals[pending[0]] and steps < room_step + follow_up_steps
+                        and engine.has_unfinished()):
+                    break  # a follow-up on its way while a step runs: that step ends without it
                 i = pending.popleft()
                 sent[i] = max(start + arrivals[i], room_since)
                 active[i] = engine.add_request(workload[i][0], params[i])
@@ -63,6 +73,7 @@ def offline_wave(engine: Engine, workload: list[tuple[list[int], int]], arrivals
                 time.sleep(max(0.0, start + arrivals[pending[0]] - time.perf_counter()))
                 continue
             engine.step()
+            steps += 1
             end = time.perf_counter()
             for i, request in list(active.items()):
                 if len(request.output_token_ids) > results[i].output_tokens:
@@ -72,7 +83,7 @@ def offline_wave(engine: Engine, workload: list[tuple[list[int], int]], arrivals
                     _finished(results[i], request, end - sent[i])
                     del active[i]
             if room_since == math.inf and len(active) < cap:
-                room_since = end
+                room_since, room_step = end, steps
     finally:
         for request in active.values():  # an interrupted wave keeps no block or slot
             engine.abort(request)

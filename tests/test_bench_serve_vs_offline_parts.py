@@ -38,6 +38,25 @@ def test_a_closed_loop_wave_sends_each_request_when_a_slot_frees(llm: LLM) -> No
     assert_pools_full(llm)
 
 
+def test_a_follow_up_can_be_held_back_one_step_as_a_server_receives_it(llm: LLM) -> None:
+    """Two in flight; the third request is sent when the first ends and outlives the second, so the
+    wave ends with it: queued one step() later, it ends one step later."""
+    workload = [(WORKLOAD[0][0], 2), (WORKLOAD[1][0], 4), (WORKLOAD[2][0], 10)]
+    steps = []
+    for delay in (0, 1):
+        before = llm.engine.num_steps
+        results, _, most = offline_wave(llm.engine, workload, [0.0] * 3, in_flight=2, follow_up_steps=delay)
+        assert most == 2 and all(r.ok for r in results)
+        steps.append(llm.engine.num_steps - before)
+    assert steps[1] == steps[0] + 1
+    # with one in flight the engine is idle when a response ends: nothing to wait for
+    counts = [offline_wave(llm.engine, WORKLOAD, [0.0] * 3, in_flight=1, follow_up_steps=d)[0] for d in (0, 1)]
+    assert [r.output_tokens for r in counts[0]] == [r.output_tokens for r in counts[1]]
+    with pytest.raises(ValueError, match="follow_up_steps must be >= 0"):
+        offline_wave(llm.engine, workload, [0.0] * 3, follow_up_steps=-1)
+    assert_pools_full(llm)
+
+
 def test_a_poisson_wave_times_each_request_from_its_arrival(llm: LLM) -> None:
     results, duration, most = offline_wave(llm.engine, WORKLOAD[:2], [0.0, 1.5])
     assert most == 1  # the first had finished before the second arrived

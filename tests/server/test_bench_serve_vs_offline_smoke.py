@@ -23,7 +23,8 @@ def test_bench_serve_vs_offline_cpu_smoke(tmp_path: Path, capsys: pytest.Capture
         result = bench_serve_vs_offline.main([
             "--model", "replayserve/tiny-code", "--device", "cpu", "--concurrency-levels", "1", "2",
             "--num-requests", "4", "--input-len", "8", "--output-len", "4", "--runs", "2",
-            "--server-log", str(tmp_path / "server.log"), "--out", str(tmp_path / "result.json")])
+            "--offline-follow-up-steps", "0", "1", "--server-log", str(tmp_path / "server.log"),
+            "--out", str(tmp_path / "result.json")])
     finally:
         torch.set_num_threads(threads)
     printed = capsys.readouterr().out
@@ -45,6 +46,11 @@ def test_bench_serve_vs_offline_cpu_smoke(tmp_path: Path, capsys: pytest.Capture
         # the server measures a request's TTFT from its arrival: within what the client saw
         assert 0 < row["server"]["server_side_ttft_mean_ms"] <= row["server"]["ttft_mean_ms"]
     assert [row["offline"]["most_in_flight"] for row in result["rows"][:2]] == [1, 2]
+    for row in result["rows"]:  # the offline waves again with follow-ups held one step, reported beside
+        (other,) = row["offline_other_follow_ups"]
+        assert other["follow_up_steps"] == 1 and row["offline"]["follow_up_steps"] == 0
+        assert other["failed"] == 0 and other["output_tok_s"] * other["duration_s"] == pytest.approx(16)
+        assert f"  {row['name']}, offline follow-ups queued 1 step(s) later: TTFT p50" in printed
     runs = result["runs"]
     assert (runs["in_flight"], runs["requests"], len(runs["server"])) == (2, 4, 2)
     assert runs["server"][0] == result["rows"][1]["server"]
