@@ -51,15 +51,15 @@ class SparseMoeBlock(nn.Module):
         if (not all(type(m) is Linear for m in linears) or len({(w.dtype, w.device) for w in weights}) != 1
                 or weights[0].is_meta):
             return
-        with torch.no_grad():
-            w_up = torch.stack([torch.cat([m.gate_proj.weight.detach(), m.up_proj.weight.detach()])
-                                for m in self.experts])
-            w_down = torch.stack([m.down_proj.weight.detach() for m in self.experts])
-            inner = w_down.shape[2]
+        inner, width = weights[0].shape
+        w_up = weights[0].new_empty(len(self.experts), 2 * inner, width)
+        w_down = weights[0].new_empty(len(self.experts), width, inner)
+        with torch.no_grad():  # each weight copied in, its old storage freed: the layer's experts twice at most
             for e, m in enumerate(self.experts):
-                m.gate_proj.weight.data = w_up[e, :inner]
-                m.up_proj.weight.data = w_up[e, inner:]
-                m.down_proj.weight.data = w_down[e]
+                for part, linear in ((w_up[e, :inner], m.gate_proj), (w_up[e, inner:], m.up_proj),
+                                     (w_down[e], m.down_proj)):
+                    part.copy_(linear.weight)
+                    linear.weight.data = part
         self._experts = (w_up, w_down)
 
     def expert_stacks(self) -> tuple[torch.Tensor, torch.Tensor] | None:
