@@ -59,7 +59,7 @@ class SoftmaxMoE(nn.Module):
     def warm_up(self, max_tokens: int, dtype: torch.dtype) -> None:
         """The forward on zeros at every token count from 1 to `max_tokens` (startup warm-up: the
         alignment's and the GEMM tiles' kernel variants follow the count, as `layers.mlp.MoE.warm_up`
-        says), outputs dropped. dtype: the model's activations' (the runner passes every MoE's `warm_up` it)."""
+        says), outputs dropped. dtype: the model's activations' (the runner's)."""
         weight = self.router.layer.weight
         x = torch.zeros(max_tokens, weight.shape[1], dtype=dtype, device=weight.device)
         for n in range(1, max_tokens + 1):
