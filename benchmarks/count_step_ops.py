@@ -1,10 +1,10 @@
-"""Counts the kernels one batch-1 decode step's forward launches, per layer, for each Mamba2 family's
+"""Counts the kernels one batch-1 decode step's forward launches, per layer, for each hybrid family's
 tiny model on the CPU: the aten ops it dispatches that launch a kernel (not views or allocations), and with
 --kernels the Triton launches too, the ops' kernels run in Triton's interpreter as the CUDA path
 runs them (`dispatch.force_triton`): a proxy for a CUDA step's kernel count (the batch-1 GEMV
 kernels and CUDA graphs aside, which take the same path on every family).
 
-    PYTHONPATH=$PWD python benchmarks/count_step_ops.py [--kernels] [--family granite bamba falcon_h1 nemotron_h]
+    PYTHONPATH=$PWD python benchmarks/count_step_ops.py [--kernels] [--family granite qwen3_next ...]
 
 The tiny models are make-tiny's (float32, the engine's eager decode path). `tests/models/test_step_ops.py`
 pins an upper bound per family in both modes.
@@ -30,7 +30,8 @@ from replayserve.builtin.tiny import make_tiny
 NOT_KERNELS = frozenset({"aten::empty.memory_format", "aten::empty_like", "aten::new_empty", "aten::empty_strided",
                          "aten::promote_types", "aten::result_type.Tensor"})
 # Each family's tiny layer mix (make-tiny's patterns; Falcon-H1 counts layers, each with both mixers).
-PATTERNS = {"nemotron_h": "M*-ME", "granite": "M*MM*M", "bamba": "M*MM*M", "falcon_h1": "MMM"}
+PATTERNS = {"nemotron_h": "M*-ME", "granite": "M*MM*M", "bamba": "M*MM*M", "falcon_h1": "MMM", "qwen3_next": "GG*G",
+            "qwen3_5_moe": "GG*G"}
 
 
 class OpCounter(TorchDispatchMode):

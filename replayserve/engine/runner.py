@@ -19,6 +19,7 @@ from replayserve.engine.transfer import to_device
 from replayserve.layers.granite_ffn import SoftmaxMoE
 from replayserve.layers.mamba2 import Mamba2Mixer
 from replayserve.layers.mlp import MoE
+from replayserve.layers.qwen_moe import SparseMoeBlock
 from replayserve.layers.step_context import StepContext
 from replayserve.models.nemotron_h import NemotronHForCausalLM
 from replayserve.ops.dispatch import use_triton
@@ -91,10 +92,15 @@ class Runner:
         self._mixers = sorted((m for m in model.modules() if isinstance(m, Mamba2Mixer)), key=lambda m: m.mamba_index)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            # The Triton MoE path is sync-free; the reference expert loop (other dtypes) asks the host.
-            if not use_triton(weight) and any(isinstance(m, MoE) for m in model.modules()):
+            # The Triton MoE path is sync-free; the reference expert loop (other dtypes, Qwen experts
+            # that could not stack) asks the host.
+            moes = [m for m in model.modules() if isinstance(m, MoE | SoftmaxMoE | SparseMoeBlock)]
+            if moes and not use_triton(weight):
                 logger.info("CUDA graphs are off: MoE layers in %s run the reference expert loop, which syncs "
                             "on the host; use float32, bfloat16 or float16", self.dtype)
+            elif any(isinstance(m, SparseMoeBlock) and m.expert_stacks() is None for m in moes):
+                logger.info("CUDA graphs are off: the Qwen MoE's experts are not stacked (FP8 experts run one "
+                            "by one, with a host sync)")
             else:
                 self.graphs = self.make_decode_graphs(capture=True)
         if config.async_scheduling and self.graphs is None:
@@ -116,7 +122,7 @@ class Runner:
         step can take (`DecodeGraphs.prepare_all`). Returns those shapes (none without the
         fixed-shape decode path)."""
         swept: set[tuple] = set()
-        for moe in (m for m in self.model.modules() if isinstance(m, MoE | SoftmaxMoE)):
+        for moe in (m for m in self.model.modules() if isinstance(m, MoE | SoftmaxMoE | SparseMoeBlock)):
             shapes = tuple((p.shape, p.dtype) for p in moe.parameters())
             if shapes not in swept:  # layers of one shape launch the same kernel variants
                 swept.add(shapes)

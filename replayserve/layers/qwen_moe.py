@@ -1,21 +1,28 @@
 """The feed-forward MoE of Qwen3-Next and Qwen3.5-MoE, with its checkpoints' parameter names: top-k
-experts of the router's softmax (renormalized over the k when `norm_topk_prob`), SwiGLU experts,
-and a shared expert whose output is scaled by sigmoid(x @ shared_expert_gate)."""
+experts of the router's softmax over all experts (renormalized over the k when `norm_topk_prob`),
+SwiGLU experts, and a shared expert whose output is scaled by sigmoid(x @ shared_expert_gate).
+
+Once the weights are final (`prepare_weights_`, after a load) the experts are stacked: every
+`experts.{e}.gate_proj` / `up_proj` weight becomes a view of one (E, 2I, W) tensor (expert e's gate
+rows, then its up rows: the grouped GEMM's SwiGLU layout) and every `down_proj` one of an (E, W, I)
+tensor, so the state dict, the writer and in-place loads see the checkpoint's per-expert names. The
+four projections of the block's input (the router, the shared expert's gate scalar, its gate and its
+up) become one stacked projection (`layers/stacked.py`). Stacking happens then and never in a
+forward: a CUDA graph captures the stacks' addresses.
+"""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from replayserve.config import ModelConfig
 from replayserve.layers.granite_ffn import SwiGLUMLP
 from replayserve.layers.linear import Linear
-from replayserve.ops.dtypes import compute_dtype
-
-# Up to this many tokens the CUDA path runs every expert densely (graph-safe; E / top_k times the
-# routed FLOPs, which decode batches afford); its SwiGLU experts do not take the grouped GEMM yet.
-DENSE_MAX_TOKENS = 256
+from replayserve.layers.stacked import StackedProjection
+from replayserve.ops.activation import silu_mul
+from replayserve.ops.dispatch import use_triton
+from replayserve.ops.moe import fused_moe_ref, softmax_all_topk_route_ref
 
 
 class SparseMoeBlock(nn.Module):
@@ -27,31 +34,82 @@ class SparseMoeBlock(nn.Module):
                                      for _ in range(cfg.n_routed_experts))
         self.shared_expert = SwiGLUMLP(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size, bias=False)
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
+        self._inputs: StackedProjection | None = None
+        self._experts: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (T, hidden) -> expert ids (T, k) int64 and their weights (T, k) in x.dtype; the
-        softmax in the compute dtype, as transformers computes it."""
-        logits = F.linear(x, self.gate.weight)
-        probs = torch.softmax(logits.to(compute_dtype(x.dtype)), dim=-1)
-        weights, ids = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids, weights.to(x.dtype)
+    def stack_projections_(self) -> None:
+        """Stacks the experts (E, 2I, W) / (E, W, I) and the input's four projections, once the
+        weights are final (the module docstring). Experts that cannot stack (not all plain
+        `Linear`s of one dtype and device, as FP8 ones) stay apart: the forward then runs them one by
+        one, with a host sync."""
+        # Made here, not at construction: an FP8 load swaps modules in after that.
+        self._inputs = StackedProjection(self.gate, self.shared_expert_gate, self.shared_expert.gate_proj,
+                                         self.shared_expert.up_proj)
+        self._inputs.stack_()
+        linears = [getattr(m, p) for m in self.experts for p in ("gate_proj", "up_proj", "down_proj")]
+        weights = [m.weight for m in linears]
+        if (not all(type(m) is Linear for m in linears) or len({(w.dtype, w.device) for w in weights}) != 1
+                or weights[0].is_meta):
+            return
+        inner, width = weights[0].shape
+        w_up = weights[0].new_empty(len(self.experts), 2 * inner, width)
+        w_down = weights[0].new_empty(len(self.experts), width, inner)
+        with torch.no_grad():  # each weight copied in, its old storage freed: the layer's experts twice at most
+            for e, m in enumerate(self.experts):
+                for part, linear in ((w_up[e, :inner], m.gate_proj), (w_up[e, inner:], m.up_proj),
+                                     (w_down[e], m.down_proj)):
+                    part.copy_(linear.weight)
+                    linear.weight.data = part
+        self._experts = (w_up, w_down)
+
+    def expert_stacks(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(w_up (E, 2I, W), w_down (E, W, I)) while the first and last experts' weights are still
+        views of them; None before `stack_projections_`, for experts that could not stack, or once
+        the parameters were moved, cast or replaced."""
+        if self._experts is None:
+            return None
+        w_up, w_down = self._experts
+        if (self.experts[0].gate_proj.weight.data_ptr() != w_up.data_ptr()
+                or self.experts[-1].down_proj.weight.data_ptr() != w_down[-1].data_ptr()):
+            return None
+        return self._experts
+
+    @torch.no_grad()
+    def warm_up(self, max_tokens: int, dtype: torch.dtype) -> None:
+        """The forward on zeros at every token count from 1 to `max_tokens` (startup warm-up: the
+        routing's, the alignment's and the GEMM tiles' kernel variants follow the count, as
+        `layers.mlp.MoE.warm_up` says), outputs dropped. dtype: the model's activations'."""
+        weight = self.gate.weight
+        x = torch.zeros(max_tokens, weight.shape[1], dtype=dtype, device=weight.device)
+        for n in range(1, max_tokens + 1):
+            self.forward(x[:n])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, hidden) -> (T, hidden). On the CPU, and on CUDA above DENSE_MAX_TOKENS tokens, one
-        pass per chosen expert over its tokens (it reads the chosen experts back to the host); on
-        CUDA up to DENSE_MAX_TOKENS tokens and in any CUDA-graph capture, every expert on every token
-        with the unchosen ones weighted 0: no host sync, so CUDA graphs capture it."""
-        ids, weights = self.route(x)
-        out = torch.zeros_like(x)
-        if x.is_cuda and (x.shape[0] <= DENSE_MAX_TOKENS or torch.cuda.is_current_stream_capturing()):
-            dense = torch.zeros(x.shape[0], len(self.experts), dtype=x.dtype, device=x.device)
-            dense.scatter_(1, ids, weights)
-            for e, expert in enumerate(self.experts):
-                out = out + expert(x) * dense[:, e : e + 1]
-        else:
-            for e in ids.unique().tolist():
-                token, slot = torch.where(ids == e)
-                out.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot, None])
-        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        """x (T, hidden) -> (T, hidden). With the experts stacked: on CUDA the routing and its
+        alignment (one launch up to 32 tokens) and the grouped-GEMM SwiGLU experts
+        (`ops.moe_triton`), the gated shared expert summed in their last kernel; no host sync, so
+        CUDA graphs capture it. Elsewhere the references (`ops.moe`), and experts that could not
+        stack run one by one."""
+        projections = (self._inputs or StackedProjection(self.gate, self.shared_expert_gate,
+                                                         self.shared_expert.gate_proj, self.shared_expert.up_proj))
+        logits, shared_gate, gate, up = projections(x)  # the logits in x's dtype, as transformers computes them
+        shared = torch.sigmoid(shared_gate) * self.shared_expert.down_proj(silu_mul(gate, up))
+        stacks = self.expert_stacks()
+        if stacks is not None and use_triton(x):
+            from replayserve.ops.moe_softmax_route_triton import softmax_route_align_triton
+            from replayserve.ops.moe_triton import default_config, fused_moe_triton
+
+            config = default_config(x.shape[0] * self.top_k, stacks[0].shape[0])
+            ids, weights, aligned = softmax_route_align_triton(logits, self.top_k, config.block_m, x.dtype,
+                                                               renormalize=self.norm_topk_prob)
+            return fused_moe_triton(x, *stacks, ids, weights, add=shared, config=config, aligned=aligned,
+                                    swiglu=True)
+        ids, weights = softmax_all_topk_route_ref(logits, self.top_k, self.norm_topk_prob)
+        weights = weights.to(x.dtype)
+        if stacks is not None:
+            return fused_moe_ref(x, *stacks, ids, weights, swiglu=True) + shared
+        routed = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            token, slot = torch.where(ids == e)
+            routed.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot, None])
+        return routed + shared

@@ -62,7 +62,9 @@ class QwenDecoderLayer(nn.Module):
         """Nothing to fold: the Qwen families have no multipliers (Granite's forward's are 1)."""
 
     def stack_projections_(self) -> None:
-        """Nothing stacked yet: the gated attention's q_proj holds its gate too."""
+        """Stacks the feed-forward half (`SparseMoeBlock.stack_projections_`, or the MLP's gate and
+        up); the gated attention's q_proj holds its gate already."""
+        self.mlp.stack_projections_()
 
 
 class QwenModel(HybridModel):
@@ -91,6 +93,15 @@ class Qwen3NextForCausalLM(GraniteMoeHybridForCausalLM):
         super().__init__(cfg)
         if cfg.num_nextn_predict_layers:
             self.mtp = QwenMTP(cfg)
+
+    def prepare_weights_(self) -> Qwen3NextForCausalLM:
+        """The backbone's (`GraniteMoeHybridForCausalLM.prepare_weights_`), and the MTP layer's
+        feed-forward stacked as the decoder layers' are."""
+        if not self.weights_prepared and hasattr(self, "mtp"):
+            for layer in self.mtp.layers:
+                layer.mlp.stack_projections_()
+        super().prepare_weights_()
+        return self
 
 
 __all__ = ["Qwen3NextForCausalLM"]

@@ -1,6 +1,7 @@
 """Nemotron-H's routed experts in plain PyTorch: the oracles of ``moe_triton`` and ``moe_route_triton``.
 
-``router_logits_ref`` and ``topk_route_ref`` turn a token into its experts and weights;
+``router_logits_ref`` and ``topk_route_ref`` turn a token into its experts and weights, as
+``softmax_topk_route_ref`` (Granite 4.0-H) and ``softmax_all_topk_route_ref`` (the Qwen MoEs) do;
 ``fused_moe_ref`` runs the chosen experts (relu^2 MLPs without bias) one expert at a time and sums
 their outputs per token; FP8 experts (float8_e4m3fn stacks with one scale per expert, as ModelOpt
 stores each expert's projections) are dequantized as they are used, then run the same way. The
@@ -128,6 +129,25 @@ def softmax_topk_route_ref(logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
     """
     top, ids = logits.float().topk(top_k, dim=-1)
     return ids, torch.softmax(top, dim=-1)
+
+
+def softmax_all_topk_route_ref(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """The Qwen3-Next / Qwen3.5-MoE routing (transformers' Qwen3NextTopKRouter): the softmax over all
+    E experts in float32, its top k, divided by their sum when `renormalize` (`norm_topk_prob`; then
+    equal, to rounding, to ``softmax_topk_route_ref``).
+
+    Arguments:
+        logits: (T, E) router logits, any float dtype (Qwen's are in the hidden states' dtype).
+        top_k: experts per token.
+        renormalize: the chosen k's weights sum to 1; else they are their share of all E.
+
+    Returns:
+        ids: (T, top_k) int64, best first.
+        weights: (T, top_k) float32, or float64 for float64 logits.
+    """
+    probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+    weights, ids = probs.topk(top_k, dim=-1)
+    return ids, weights / weights.sum(dim=-1, keepdim=True) if renormalize else weights
 
 
 def fused_moe_ref(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weights: Tensor,

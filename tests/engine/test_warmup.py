@@ -246,3 +246,17 @@ def test_granite_eager_steps_after_warm_up_launch_no_new_kernel_variant(granite_
     """The test above on Granite 4.0-H (MoE, RoPE): its softmax routing, SwiGLU grouped GEMMs, RoPE
     and silu_mul kernels."""
     _assert_serving_launches_no_new_variant(granite_model_dir, backend, extra, monkeypatch, min_variants=20)
+
+
+@pytest.fixture(scope="module")
+def qwen_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("warmup-qwen-moe"), seed=0, family="qwen3_next")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the test above counts Triton's own compiles")
+def test_qwen_moe_eager_steps_after_warm_up_launch_no_new_kernel_variant(qwen_moe_model_dir: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test above on Qwen3-Next's MoE: its routing over all experts and SwiGLU grouped GEMMs
+    (`SparseMoeBlock.warm_up`)."""
+    extra = {"max_num_seqs": 13, "max_num_batched_tokens": 77}
+    _assert_serving_launches_no_new_variant(qwen_moe_model_dir, "replay", extra, monkeypatch, min_variants=20)

@@ -2,8 +2,8 @@
 implementation, on tiny random checkpoints that transformers' own classes write: greedy tokens equal
 HF ``generate`` and the chosen tokens' log-probabilities are within 1e-4 of HF's teacher-forced ones,
 in float32, over 32 tokens (HF's torch fallbacks of the delta rule, chunked and recurrent, are the
-reference). Also: a multimodal Qwen3.5 checkpoint loads its language model, and make-tiny's
-checkpoints are ones transformers runs the same."""
+reference), on the references and (the MoE families) on the kernels. Also: a multimodal Qwen3.5
+checkpoint loads its language model, and make-tiny's checkpoints are ones transformers runs the same."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from transformers import (
 )
 
 from replayserve.builtin.tiny import init_random_weights, make_tiny
+from replayserve.ops.dispatch import force_triton
 
 from .hf_reference import hf_greedy
 from .test_hf_parity import F32_TOL, NUM_NEW, PROMPT_LENS, _check_teacher_forced, _engine_generate
@@ -94,6 +95,20 @@ def test_qwen_parity_float32(name: str, qwen_checkpoint: Callable[[str], Path]) 
     max_diff, _ = _check_teacher_forced(model_dir, prompts, outs, torch.float32, F32_TOL)
     _check_greedy(model_dir, prompts, outs)
     print(f"\n[{name}] float32: max |dlogprob| = {max_diff:.2e}, greedy == HF generate for {len(prompts)}x{NUM_NEW}")
+
+
+@pytest.mark.slow  # about 1.5 min each on 2 CPU cores: every kernel in Triton's interpreter
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_moe"])
+def test_qwen_moe_parity_float32_on_the_kernels(name: str, qwen_checkpoint: Callable[[str], Path]) -> None:
+    """The test above with every op on its Triton kernel (the CUDA path; interpreted on the CPU): the
+    MoE's routing and grouped-GEMM experts with the gated shared expert in their sum (measured: max
+    |dlogprob| 7.1e-5 Qwen3-Next, 4.3e-5 Qwen3.5-MoE)."""
+    model_dir = qwen_checkpoint(name)
+    prompts = _prompts(QWEN_CONFIGS[name][2]["vocab_size"])
+    with force_triton():
+        outs = _engine_generate(model_dir, "float32", prompts)
+    _check_teacher_forced(model_dir, prompts, outs, torch.float32, F32_TOL)
+    _check_greedy(model_dir, prompts, outs)
 
 
 def test_multimodal_qwen3_5_runs_its_language_model(qwen_checkpoint: Callable[[str], Path], tmp_path: Path,

@@ -1,5 +1,7 @@
-"""Granite 4.0-H's softmax top-k routing: the Triton route-and-align equals ``softmax_topk_route_ref``
-(ids exact, weights to rounding) and its alignment equals ``align_by_expert`` of those ids; the
+"""Granite 4.0-H's and the Qwen MoEs' softmax top-k routing: the Triton route-and-align equals
+``softmax_topk_route_ref`` (renormalized) or ``softmax_all_topk_route_ref`` (Qwen without
+`norm_topk_prob`: over all experts), ids exact, weights to rounding, and its alignment equals
+``align_by_expert`` of those ids; the
 reference equals transformers' formula written out (softmax, top-k, renormalised); and the MoE layer
 on the kernels equals it on the references (fp32 in the interpreter on the CPU)."""
 
@@ -13,7 +15,7 @@ import torch
 from replayserve.builtin.tiny import tiny_config
 from replayserve.layers.granite_ffn import SoftmaxMoE
 from replayserve.ops.dispatch import force_triton
-from replayserve.ops.moe import softmax_topk_route_ref
+from replayserve.ops.moe import softmax_all_topk_route_ref, softmax_topk_route_ref
 from replayserve.ops.moe_route_triton import align_by_expert
 from replayserve.ops.moe_softmax_route_triton import softmax_route_align_triton
 
@@ -34,12 +36,19 @@ def test_reference_is_softmax_then_topk_renormalised() -> None:
     (5, 3, 1, 16),    # experts off a power of two, top 1
     (32, 40, 8, 32),  # the most tokens one program routes
     (40, 8, 2, 16),   # past it: the reference's ops and align_by_expert
+    (3, 512, 10, 16),  # Qwen3-Next's router at 3 tokens
 ])
-def test_route_and_align_equal_the_reference(num_tokens: int, num_experts: int, top_k: int, block_m: int) -> None:
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_and_align_equal_the_reference(num_tokens: int, num_experts: int, top_k: int, block_m: int,
+                                             renormalize: bool) -> None:
     logits = torch.randn(num_tokens, num_experts, generator=torch.Generator().manual_seed(num_tokens)).to(DEVICE)
     ids, weights, (sorted_pairs, block_expert, num_padded) = softmax_route_align_triton(
-        logits, top_k, block_m, torch.float32)
-    want_ids, want_w = softmax_topk_route_ref(logits, top_k)
+        logits, top_k, block_m, torch.float32, renormalize=renormalize)
+    want_ids, want_w = softmax_all_topk_route_ref(logits, top_k, renormalize)
+    if renormalize:  # Granite's reference: the same to rounding
+        granite_ids, granite_w = softmax_topk_route_ref(logits, top_k)
+        assert torch.equal(granite_ids, want_ids)
+        torch.testing.assert_close(granite_w, want_w, atol=1e-6, rtol=1e-6)
     assert torch.equal(ids.long(), want_ids)
     torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=1e-6)
     want_pairs, want_experts, want_padded = align_by_expert(want_ids, num_experts, block_m)
