@@ -20,6 +20,8 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+import torch
+
 from replayserve.engine.request import Request
 from replayserve.ops.token_bitmask import TokenMask
 from replayserve.structured.compiler import GrammarCompiler
@@ -35,13 +37,20 @@ logger = logging.getLogger(__name__)
 
 
 class Grammars:
-    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
-        """vocab_size: the model's (the width of its logits); stop_token_ids: its EOS ids."""
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, stop_token_ids: Sequence[int],
+                 pin_memory: bool = False) -> None:
+        """vocab_size: the model's (the width of its logits); stop_token_ids: its EOS ids;
+        pin_memory: the masks go to a CUDA device (their buffer is pinned, so the copy is asynchronous)."""
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._stop_token_ids = tuple(stop_token_ids)
+        self._pin_memory = pin_memory
         self._compiler: GrammarCompiler | None = None  # made by the first constrained request
         self._batch = None  # xgrammar.BatchGrammarMatcher: fills a step's masks on several threads
+        # Every step's masks are filled into this (rows, ceil(V / 32)) int32 buffer, grown to the
+        # most positions a step has masked: a fresh 4 MB tensor per step at 256 rows of a 131072-token
+        # vocabulary, and on CUDA its copy into pinned memory, cost the host time outside the fill.
+        self._bitmask: torch.Tensor | None = None
         self._grammars: dict[str, RequestGrammar] = {}  # by request id
         self._compiling: dict[str, Request] = {}
 
@@ -112,14 +121,13 @@ class Grammars:
         """Masks of every position of ``rows``: depth d of a row is its matcher after its first d
         drafts. Positions after a draft the grammar refuses or after its end allow every token
         (verification never emits them)."""
-        import xgrammar as xgr
 
         firsts = []
         positions: list[int] = []
         for _, first, drafts in rows:
             firsts.append(len(positions))
             positions += range(first, first + 1 + len(drafts))
-        bitmask = xgr.allocate_token_bitmask(len(positions), self._vocab_size)
+        bitmask = self._bitmask_rows(len(positions))
         advanced = [0] * len(rows)
         live = list(range(len(rows)))
         try:
@@ -142,6 +150,18 @@ class Grammars:
                 if n:
                     grammar.matcher.rollback(n)
         return TokenMask(bitmask, tuple(positions))
+
+    def _bitmask_rows(self, n: int) -> torch.Tensor:
+        """The first n rows of the mask buffer, every token allowed (rows a fill skips stay so).
+        Reusing it is safe because a step with grammar masks runs synchronously: the previous
+        step's copy to the device has completed when its tokens were read."""
+        import xgrammar as xgr
+
+        if self._bitmask is None or self._bitmask.shape[0] < n:
+            self._bitmask = xgr.allocate_token_bitmask(n, self._vocab_size)
+            if self._pin_memory:
+                self._bitmask = self._bitmask.pin_memory()
+        return self._bitmask[:n].fill_(-1)
 
     def accept_all(self, requests: Sequence[Request], tokens: Sequence[Sequence[int]]) -> list[int | None]:
         """Each constrained request's grammar advances over the tokens a step appends to its
