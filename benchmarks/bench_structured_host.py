@@ -14,9 +14,13 @@ times of nested calls are split, so the phases add up to the step):
 - accept: `Grammars.accept_all`; outputs: the rest of `Engine._apply` (stop rules, appends, update);
 - other: the rest of `Engine.step`.
 
-Medians over the timed steps, per batch size, constrained and not, in one process:
+Medians over the timed steps, per batch size, constrained and not, in one process. With
+`--device cuda --size nemotron-h-8b` the same phases run beside the real forward (CUDA graphs,
+bfloat16): `sampling` then holds the wait for the device, so a constrained step whose sampling
+shrinks by about the fill's time is one whose fill outlasts the forward.
 
     python benchmarks/bench_structured_host.py --batch 64 256 --steps 20
+    python benchmarks/bench_structured_host.py --device cuda --size nemotron-h-8b
 """
 
 from __future__ import annotations
@@ -36,9 +40,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_e2e import random_prompts  # noqa: E402
+from bench_e2e import DTYPES, free_memory, random_prompts  # noqa: E402
 from bench_structured import SCHEMA, json_tokenizer  # noqa: E402
-from shapes import model_config, random_model  # noqa: E402
+from shapes import SIZES, model_config, random_model  # noqa: E402
 
 import replayserve.engine.sampler as sampler_module  # noqa: E402
 from replayserve.build import assemble_engine  # noqa: E402
@@ -131,18 +135,23 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--threads", type=int, default=1, help="torch's intra-op threads")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--size", choices=sorted(SIZES), help="a benchmark shape (default: a narrow model of --vocab-size)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    cfg = dataclasses.replace(model_config("tiny"), vocab_size=args.vocab_size, hidden_size=32)
-    model = random_model(cfg, torch.float32, "cpu")
+    cfg = (model_config(args.size) if args.size else
+           dataclasses.replace(model_config("tiny"), vocab_size=args.vocab_size, hidden_size=32))
+    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    model = random_model(cfg, DTYPES[dtype], args.device)
     tokenizer = OurTokenizer(json_tokenizer(cfg.vocab_size))
     total = args.warmup + args.steps + 4
-    print(f"host phases per decode step, ms (medians of {args.steps} steps), vocabulary {cfg.vocab_size}, CPU")
+    print(f"host phases per decode step, ms (medians of {args.steps} steps), vocabulary {cfg.vocab_size}, "
+          f"{args.device}")
     print(f"{'batch':>5} {'rows':>5} " + " ".join(f"{phase:>8}" for phase in PHASES))
     results: dict = {}
     for batch in args.batch:
         for constrained in (False, True):
-            config = EngineConfig(model=cfg, dtype="float32", device="cpu", max_num_seqs=batch,
+            config = EngineConfig(model=cfg, dtype=dtype, device=args.device, max_num_seqs=batch,
                                   max_num_batched_tokens=max(2048, 2 * batch),
                                   max_model_len=args.prompt_len + total + 16, block_size=16)
             engine = assemble_engine(config, model, tokenizer)
@@ -150,6 +159,8 @@ def main(argv: list[str] | None = None) -> dict:
             params = SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True, structured_outputs=so)
             prompts = random_prompts(batch, args.prompt_len, cfg.vocab_size, seed=batch)
             ms = profile(engine, prompts, params, args.warmup, args.steps)
+            del engine
+            free_memory(torch.device(args.device))
             kind = "json" if constrained else "free"
             results[f"{batch}/{kind}"] = ms
             print(f"{batch:>5} {kind:>5} " + " ".join(f"{ms[phase]:>8.3f}" for phase in PHASES), flush=True)
