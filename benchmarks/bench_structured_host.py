@@ -7,8 +7,9 @@ vocabulary (131072 tokens, `json_tokenizer`) and schema (`SCHEMA`) on a narrow m
 forward is cheap, and times each host phase of every step with `time.perf_counter` (inclusive
 times of nested calls are split, so the phases add up to the step):
 
-- plan: `Scheduler.schedule`; rows: `Grammars.masks` (which rows are constrained);
-- fill: `Grammars._fill` (runs while the device computes the forward on CUDA);
+- plan: `Scheduler.schedule`; rows: `Grammars.masks` (before the launch);
+- fill: `Grammars._fill` (the constrained rows, the last step's tokens handed to their matchers,
+  the masks; on CUDA it runs while the device computes the forward);
 - bitmask: its transfer (`to_device`; on the CPU a no-op) and `apply_token_bitmask`;
 - sampling: the rest of `launch_sample` and `collect_sample`; forward: the rest of `Runner.execute`;
 - accept: `Grammars.accept_all`; outputs: the rest of `Engine._apply` (stop rules, appends, update);

@@ -112,12 +112,19 @@ class Grammars:
                 out[request_id] = proposed[: grammar.valid_drafts(proposed)]
         return out
 
-    def masks(self, plan: StepPlan, sampling: Sequence[Request]) -> Callable[[], TokenMask] | None:
-        """The step's token masks, filled when called (None: no sampling row is constrained now).
-        sampling: the requests of the plan's sampling rows, in plan order."""
+    def masks(self, plan: StepPlan, sampling: Sequence[Request]) -> Callable[[], TokenMask | None] | None:
+        """The step's token masks, found and filled when called (None then: no sampling row is
+        constrained now; None at once: no request has a grammar). sampling: the requests of the
+        plan's sampling rows, in plan order."""
         self._mask_rows = {}
-        if not self._grammars:
-            return None
+        return functools.partial(self._fill, plan, sampling) if self._grammars else None
+
+    def _fill(self, plan: StepPlan, sampling: Sequence[Request]) -> TokenMask | None:
+        """Masks of every position of the constrained rows: depth d of a row is its matcher after
+        its first d drafts. Positions after a draft the grammar refuses or after its end allow
+        every token (verification never emits them). The last step's tokens reach their matchers
+        first."""
+        self._hand_over()
         rows: list[tuple[RequestGrammar, int, tuple[int, ...]]] = []  # grammar, first position, drafts
         position = 0
         for seq, request in zip((s for s in plan.seqs if s.sample), sampling, strict=True):
@@ -125,13 +132,8 @@ class Grammars:
             if grammar is not None and grammar.active:
                 rows.append((grammar, position, seq.token_ids[len(seq.token_ids) - seq.num_drafts :]))
             position += 1 + seq.num_drafts
-        return functools.partial(self._fill, rows) if rows else None
-
-    def _fill(self, rows: list[tuple[RequestGrammar, int, tuple[int, ...]]]) -> TokenMask:
-        """Masks of every position of ``rows``: depth d of a row is its matcher after its first d
-        drafts. Positions after a draft the grammar refuses or after its end allow every token
-        (verification never emits them). The last step's tokens reach their matchers first."""
-        self._hand_over()
+        if not rows:
+            return None
         firsts = []
         positions: list[int] = []
         for _, first, drafts in rows:
