@@ -7,8 +7,9 @@ windows of `--steps` steps are timed (medians reported), once with every row con
 The schema's `minItems` keeps every constrained row inside its grammar for the whole run, so the
 batch stays full. Greedy sampling; one grammar, compiled once and shared (the time a first request
 waits for it, tokenizer included, is reported).
-Reported per batch: both rates, their ratio, and the host's mask-filling time per step (filled
-while the device runs the forward: it costs throughput only where it outlasts the forward).
+Reported per batch: both rates, their ratio, and the host's mask-filling time per step (with the
+previous step's accepts, which reach the matchers there; it runs while the device runs the
+forward: it costs throughput only where it outlasts the forward).
 
 The random model needs a tokenizer that can spell JSON, with the shape's vocabulary: a byte-level
 vocabulary of the 256 byte symbols and synthetic tokens (words with and without a leading space,
@@ -103,6 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget", type=int, default=16384, help="max_num_batched_tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="CPU: torch's intra-op threads")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
@@ -121,10 +123,10 @@ def decode_rate(model: NemotronHForCausalLM, tokenizer: OurTokenizer, args: argp
     fill_s = [0.0]
     fill = Grammars._fill
 
-    def timed_fill(self: Grammars, rows: list) -> object:
+    def timed_fill(self: Grammars, *args: object) -> object:
         t0 = time.perf_counter()
         try:
-            return fill(self, rows)
+            return fill(self, *args)
         finally:
             fill_s[0] += time.perf_counter() - t0
 

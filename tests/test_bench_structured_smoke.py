@@ -38,3 +38,19 @@ def test_bench_structured_cpu_smoke(tmp_path: Path) -> None:
         assert row["unconstrained"]["tok_s"] > 0 and row["json_schema"]["tok_s"] > 0 and row["ratio"] > 0
         assert row["json_schema"]["mask_ms_per_step"] > 0 and "mask_ms_per_step" not in row["unconstrained"]
     assert result["meta"]["first_compile_s"] > 0
+
+
+def test_bench_structured_host_times_each_phase_and_only_constrained_steps_fill_and_accept() -> None:
+    import bench_structured_host
+
+    threads = torch.get_num_threads()
+    try:
+        result = bench_structured_host.main(["--size", "tiny", "--batch", "3", "--steps", "3", "--warmup", "1",
+                                             "--prompt-len", "8"])
+    finally:
+        torch.set_num_threads(threads)
+    free, constrained = result["3/free"], result["3/json"]
+    assert free["fill"] == free["accept"] == 0 < constrained["fill"] and constrained["accept"] > 0
+    for ms in (free, constrained):
+        assert all(ms[phase] >= 0 for phase in ("plan", "rows", "fill", "bitmask", "sampling", "accept", "outputs"))
+        assert ms["forward"] > 0 and ms["step"] >= ms["forward"]

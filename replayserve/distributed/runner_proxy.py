@@ -45,7 +45,7 @@ class DriverRunner(Runner):
 
     def execute(self, plan: StepPlan, params: list[SamplingParams], generators: list[torch.Generator | None],
                 histories: list[tuple[list[int], list[int]]] | None = None,
-                grammar_masks: Callable[[], TokenMask] | None = None) -> StepOutput:
+                grammar_masks: Callable[[], TokenMask | None] | None = None) -> StepOutput:
         self.call("execute", plan)
         with self.workers.watch():
             return super().execute(plan, params, generators, histories, grammar_masks)

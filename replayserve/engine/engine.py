@@ -67,7 +67,8 @@ class Engine:
                                    config.mamba_cache_mode, spec.num_speculative_tokens if spec else 0,
                                    config.resolved_max_model_len)
         self.spec_metrics = SpecMetrics()
-        self.grammars = Grammars(tokenizer, config.model.vocab_size, config.model.eos_token_ids)
+        self.grammars = Grammars(tokenizer, config.model.vocab_size, config.model.eos_token_ids,
+                                 pin_memory=torch.device(config.device).type == "cuda")
         self._ids = itertools.count()
         self._generators: dict[str, torch.Generator] = {}
         self.num_generated_tokens = 0

@@ -188,14 +188,14 @@ class Runner:
     def execute(
         self, plan: StepPlan, params: list[SamplingParams], generators: list[torch.Generator | None],
         histories: list[tuple[list[int], list[int]]] | None = None,
-        grammar_masks: Callable[[], TokenMask] | None = None,
+        grammar_masks: Callable[[], TokenMask | None] | None = None,
     ) -> StepOutput:
         """Runs the step; returns one result per sampling sequence and the prompt scores asked for.
 
         params, generators and (when some row uses penalties or min_tokens) histories, the
         (prompt, output) tokens so far, are given for the sequences with `sample` set, in plan order.
-        grammar_masks: fills the constrained rows' token masks on the host; called once the
-        forward is queued, so it runs while the device computes.
+        grammar_masks: fills the constrained rows' token masks on the host (None: no row is
+        constrained now); called once the forward is queued, so it runs while the device computes.
         """
         if plan.reset_slots:
             self.ssm.reset_slots(self._ids(plan.reset_slots))

@@ -1,7 +1,9 @@
 """One request's grammar as the engine steps it: the xgrammar matcher over its output, and where
 in the output the grammar starts (after a reasoning block, `StructuredOutputsParams.reasoning_markers`).
 
-The matcher's state is a function of the output's length: it has consumed output[start:consumed].
+The matcher's state is a function of the output's length: it has consumed output[start:consumed]
+(a step's last token may reach it later, `accepted(later=True)`: `Grammars` hands it over before
+the matcher is used again).
 A step accepts the tokens the engine keeps; a failed step's take-back rolls the matcher back to
 the output length the engine restores (xgrammar rolls back any number of tokens).
 """
@@ -32,6 +34,7 @@ class RequestGrammar:
         block there starts the grammar at once)."""
         self.compiled = compiled
         self.matcher: xgrammar.GrammarMatcher | None = None  # set by `start_matching` once compiled
+        self.stop_token_ids: frozenset[int] = frozenset()
         self.end_marker = None if markers is None else markers[1]
         # The output index the grammar starts at; None while the reasoning block is open.
         self.start: int | None = 0 if markers is None or reasoning_state(prompt_text, *markers) == "closed" else None
@@ -40,7 +43,10 @@ class RequestGrammar:
     def start_matching(self) -> None:
         import xgrammar as xgr
 
-        self.matcher = xgr.GrammarMatcher(self.compiled.result())
+        compiled = self.compiled.result()
+        self.matcher = xgr.GrammarMatcher(compiled)
+        # Only accepting one of these ends the grammar (xgrammar terminates on a stop token).
+        self.stop_token_ids = frozenset(compiled.tokenizer_info.stop_token_ids)
 
     @property
     def active(self) -> bool:
@@ -94,15 +100,18 @@ class RequestGrammar:
         (then ``accepted`` follows), with no reasoning-end check to run."""
         return len(new) == 1 and self.start is not None and self.matcher is not None
 
-    def accepted(self, took: bool, output: Sequence[int], token: int) -> int | None:
+    def accepted(self, took: bool, output: Sequence[int], token: int, later: bool = False) -> int | None:
         """The matcher was handed ``token`` after ``output`` by a batched accept and ``took`` it or
-        not: as ``accept(output, [token], ...)`` from there on."""
+        not: as ``accept(output, [token], ...)`` from there on. later: ``took`` is what the step's
+        mask said of the token, and the matcher is handed it afterwards (`Grammars` does, before
+        the matcher is next used); only for a token not in `stop_token_ids`, which cannot end the
+        grammar."""
         assert self.matcher is not None
         if not took:
             raise GrammarViolation(f"token {token} is not allowed by the request's grammar at output position "
                                    f"{len(output)}")
         self.consumed = len(output) + 1
-        return 1 if self.matcher.is_terminated() else None
+        return None if later else 1 if self.matcher.is_terminated() else None
 
     def take_back(self, length: int) -> None:
         """The output is cut back to ``length`` tokens (a failed step): the matcher follows."""
