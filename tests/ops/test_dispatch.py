@@ -108,13 +108,14 @@ def _kernel_imports(source: str) -> set[str]:
 def test_only_ops_picks_a_kernel() -> None:
     """Outside ``ops/`` no module imports a Triton kernel module, but for the compositions that run
     on the kernels alone, each behind ``use_triton`` (ops/dispatch.py): the MoEs' grouped GEMM
-    (Nemotron-H's, Granite 4.0-H's), the batch-1 GEMV with the conv update in its epilogue, and the
+    (Nemotron-H's, Granite 4.0-H's, Qwen3-Next's), the batch-1 GEMV with the conv update in its epilogue, and the
     packed prefill."""
     importers = {str(path.relative_to(ROOT)): found for path in sorted(ROOT.rglob("*.py"))
                  if path.parent.name != "ops" and (found := _kernel_imports(path.read_text()))}
     assert importers == {
         "layers/mlp.py": {"replayserve.ops.moe_triton", "replayserve.ops.moe_route_triton"},
         "layers/granite_ffn.py": {"replayserve.ops.moe_triton", "replayserve.ops.moe_softmax_route_triton"},
+        "layers/qwen_moe.py": {"replayserve.ops.moe_triton", "replayserve.ops.moe_softmax_route_triton"},
         "layers/mamba2.py": {"replayserve.ops.gemv_triton"},
         "ssm/packed_prefill.py": {"replayserve.ops.conv1d_varlen_triton", "replayserve.ops.ssd_triton"},
     }
