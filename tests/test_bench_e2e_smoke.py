@@ -16,6 +16,15 @@ import e2e_hf  # noqa: E402
 import e2e_profile  # noqa: E402
 
 
+def run_bench(argv: list[str]) -> dict:
+    """bench_e2e.main(argv), with torch's thread count put back (the benchmark sets its own)."""
+    threads = torch.get_num_threads()
+    try:
+        return bench_e2e.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_bench_e2e_cpu_smoke(tmp_path: Path) -> None:
     threads = torch.get_num_threads()
     try:  # one thread, as the benchmark runs by default: several times faster on a busy machine
@@ -39,26 +48,18 @@ def test_bench_e2e_cpu_smoke(tmp_path: Path) -> None:
 
 
 def test_bench_e2e_times_an_fp8_kv_cache_beside_the_models_dtype() -> None:
-    threads = torch.get_num_threads()
-    try:
-        result = bench_e2e.main(["--device", "cpu", "--size", "small", "--batch", "2", "--steps", "2", "--warmup", "1",
-                                 "--repeats", "1", "--prompt-len", "8", "--skip-prefill", "--backends", "baseline",
-                                 "--kv-cache-dtype", "fp8", "auto"])
-    finally:
-        torch.set_num_threads(threads)
+    result = run_bench(["--device", "cpu", "--size", "small", "--batch", "2", "--steps", "2", "--warmup", "1",
+                        "--repeats", "1", "--prompt-len", "8", "--skip-prefill", "--backends", "baseline",
+                        "--kv-cache-dtype", "fp8", "auto"])
     assert [r["backend"] for r in result["decode"]] == ["baseline", "baseline+kv8"]
     plain, fp8 = (r["bytes_by_part"]["kv cache"] for r in result["decode"])
     assert fp8 == pytest.approx(plain / 4)  # float32 on the CPU: 4 bytes an entry, 1 in FP8
 
 
 def test_bench_e2e_async_rows_overlap() -> None:
-    threads = torch.get_num_threads()
-    try:
-        result = bench_e2e.main(["--device", "cpu", "--size", "small", "--batch", "2", "--steps", "2", "--window", "2",
-                                 "--warmup", "1", "--repeats", "1", "--prompt-len", "8", "--skip-prefill",
-                                 "--backends", "baseline-async", "replay-async"])
-    finally:
-        torch.set_num_threads(threads)
+    result = run_bench(["--device", "cpu", "--size", "small", "--batch", "2", "--steps", "2", "--window", "2",
+                        "--warmup", "1", "--repeats", "1", "--prompt-len", "8", "--skip-prefill",
+                        "--backends", "baseline-async", "replay-async"])
     assert [r["backend"] for r in result["decode"]] == ["baseline-async", "replay-async"]
     # Every timed step was launched before the previous one was read back.
     assert all(r["tok_s"] > 0 and r["overlapped_share"] == 1 for r in result["decode"])
@@ -111,14 +112,10 @@ def test_gpu_ms_by_step_splits_a_profile_at_every_layers_first_marker() -> None:
 
 
 def test_bench_e2e_times_16_bit_and_fp8_weights_in_one_run() -> None:
-    threads = torch.get_num_threads()
-    try:
-        result = bench_e2e.main(["--device", "cpu", "--size", "small", "--batch", "2", "--steps", "2", "--window", "2",
-                                 "--warmup", "1", "--repeats", "1", "--prompt-len", "8", "--prefill-prompts", "2",
-                                 "--prefill-len", "16", "--ttft-len", "32", "--backends", "baseline",
-                                 "--quantization", "fp8", "none"])
-    finally:
-        torch.set_num_threads(threads)
+    result = run_bench(["--device", "cpu", "--size", "small", "--batch", "2", "--steps", "2", "--window", "2",
+                        "--warmup", "1", "--repeats", "1", "--prompt-len", "8", "--prefill-prompts", "2",
+                        "--prefill-len", "16", "--ttft-len", "32", "--backends", "baseline",
+                        "--quantization", "fp8", "none"])
     assert [r["backend"] for r in result["decode"]] == ["baseline", "baseline+fp8"]
     assert [r["backend"] for r in result["prefill"]] == ["baseline", "baseline+fp8"]
     assert all(r["tok_s"] > 0 for r in result["decode"]) and result["meta"]["fp8_modules"] > 0
@@ -131,13 +128,9 @@ def test_bench_e2e_times_16_bit_and_fp8_weights_in_one_run() -> None:
 def test_bench_e2e_fp8_rows_quantize_the_moe_experts() -> None:
     """The tiny shape has a MoE layer: its experts become FP8 too. The weights shrink by 3 bytes
     (float32 on the CPU -> FP8) for every weight of every Linear the recipe keeps, experts included."""
-    threads = torch.get_num_threads()
-    try:
-        result = bench_e2e.main(["--device", "cpu", "--size", "tiny", "--batch", "1", "--steps", "2", "--window",
-                                 "2", "--warmup", "1", "--repeats", "1", "--prompt-len", "8", "--skip-prefill",
-                                 "--backends", "baseline", "--quantization", "none", "fp8"])
-    finally:
-        torch.set_num_threads(threads)
+    result = run_bench(["--device", "cpu", "--size", "tiny", "--batch", "1", "--steps", "2", "--window",
+                        "2", "--warmup", "1", "--repeats", "1", "--prompt-len", "8", "--skip-prefill",
+                        "--backends", "baseline", "--quantization", "none", "fp8"])
     cfg = bench_e2e.model_config("tiny")
     rule = bench_e2e.QuantConfig("FP8", None, bench_e2e.nemotron_h_default_excludes(cfg), "test")
     linears = {n: m for n, m in bench_e2e.NemotronHForCausalLM(cfg).named_modules()
@@ -154,13 +147,9 @@ def test_bench_e2e_fp8_rows_quantize_the_moe_experts() -> None:
 def test_bench_e2e_runs_a_gated_deltanet_shape_on_both_backends(tmp_path: Path) -> None:
     """A Qwen3.5 shape end to end on both GDN backends: ReplaySSM reads and writes fewer state bytes
     and adds its rings."""
-    threads = torch.get_num_threads()
-    try:
-        result = bench_e2e.main(["--device", "cpu", "--size", "qwen3.5-small", "--batch", "2", "--steps", "2",
-                                 "--window", "2", "--warmup", "1", "--repeats", "1", "--prompt-len", "8",
-                                 "--prefill-prompts", "2", "--prefill-len", "16", "--ttft-len", "32"])
-    finally:
-        torch.set_num_threads(threads)
+    result = run_bench(["--device", "cpu", "--size", "qwen3.5-small", "--batch", "2", "--steps", "2",
+                        "--window", "2", "--warmup", "1", "--repeats", "1", "--prompt-len", "8",
+                        "--prefill-prompts", "2", "--prefill-len", "16", "--ttft-len", "32"])
     baseline, replay = result["decode"]
     assert (baseline["backend"], replay["backend"]) == ("baseline", "replay")
     assert baseline["tok_s"] > 0 and baseline["bytes_by_part"]["mamba state"] == 0
