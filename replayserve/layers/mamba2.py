@@ -22,10 +22,6 @@ FUSED_CONV_AT_ONE_ROW = True
 
 
 class Mamba2Mixer(nn.Module):
-    # Whether the batch-1 decode may run the conv inside the in_proj GEMV: not where a subclass's
-    # `project` does more than in_proj (Falcon-H1's multipliers).
-    fused_in_proj = True
-
     def __init__(self, cfg: ModelConfig, mamba_index: int) -> None:
         super().__init__()
         self.mamba_index = mamba_index  # position among the model's Mamba layers
@@ -67,16 +63,12 @@ class Mamba2Mixer(nn.Module):
             chunk_size=self.chunk_size,
         )
 
-    def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (T, hidden_size) -> (T, inner + conv_dim + heads): z, then x B C, then dt."""
-        return self.in_proj(hidden)
-
     def forward(self, hidden: torch.Tensor, ctx: StepContext, backend: SSMBackend) -> torch.Tensor:
         """hidden (T, hidden_size) -> (T, hidden_size)."""
         params = self.params()
         nd, nt, width = ctx.num_decodes, ctx.num_decode_tokens, ctx.uniform_decode
         one_row = nd == nt == hidden.shape[0] == 1 and width <= 1
-        if FUSED_CONV_AT_ONE_ROW and self.fused_in_proj and one_row and gemv_serves(hidden, self.in_proj.weight):
+        if FUSED_CONV_AT_ONE_ROW and one_row and gemv_serves(hidden, self.in_proj.weight):
             # Batch-1 decode: the conv update runs in the in_proj GEMV's epilogue (one launch fewer).
             from replayserve.ops.gemv_triton import gemv_conv_triton
 
@@ -86,7 +78,7 @@ class Mamba2Mixer(nn.Module):
             z, xbc, dt = proj.split(self.split_sizes, dim=-1)
             y = backend.decode(self.mamba_index, ctx.state_slots[:1], xbc, dt, params, conv_done=True)
             return self.out_proj(self.norm(y.reshape(1, -1), z))
-        z, xbc, dt = self.project(hidden).split(self.split_sizes, dim=-1)
+        z, xbc, dt = self.in_proj(hidden).split(self.split_sizes, dim=-1)  # z, then x B C, then dt
         y = hidden.new_empty(hidden.shape[0], self.num_heads, self.head_dim)
         if width > 1:  # a verify of rows padded to `width` tokens, fixed shapes (CUDA graphs)
             assert ctx.decode_num_tokens is not None

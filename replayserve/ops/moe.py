@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from replayserve.ops.activation import relu_square_ref
+from replayserve.ops.activation import relu_square_ref, silu_mul_ref
 from replayserve.ops.dispatch import use_triton
 from replayserve.ops.fp8 import FP8_DTYPE, dequantize_fp8
 
@@ -181,7 +181,7 @@ def fused_moe_ref(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weights:
         inner = F.linear(x[token], up)
         if swiglu:
             gate, up_half = inner.chunk(2, dim=-1)
-            inner = F.silu(gate) * up_half
+            inner = silu_mul_ref(gate, up_half)
         else:
             inner = relu_square_ref(inner)
         out = F.linear(inner, down) * weights[token, k, None]

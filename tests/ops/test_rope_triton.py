@@ -47,15 +47,24 @@ def test_rope_triton_equals_the_reference(dtype: torch.dtype, tokens: int, heads
 
 
 def test_entry_point_takes_the_kernel_or_the_shared_tables() -> None:
+    """The kernel rotates from inv_freq and never asks for the step's tables; the reference (float64:
+    no kernel takes it) rotates by the tables it is handed, asked for once."""
     gen = torch.Generator().manual_seed(0)
     q, k = _qk(3, 4, 2, 32, torch.float32, False, gen)
     positions = torch.tensor([2, 9, 4000], device=DEVICE)
     inv_freq = rope_inv_freq(32, 10000.0, device=DEVICE)
     want = apply_rope_ref(q, positions, inv_freq), apply_rope_ref(k, positions, inv_freq)
-    tables = rope_cos_sin_ref(positions, inv_freq, q.dtype)
-    by_ref = apply_rope_qk(q.clone(), k.clone(), positions, inv_freq, lambda: tables)
+    asked = []
+
+    def tables_of(dtype: torch.dtype):  # noqa: ANN202
+        asked.append(dtype)
+        return rope_cos_sin_ref(positions, inv_freq, dtype)
+
+    by_ref = apply_rope_qk(q.double(), k.double(), positions, inv_freq, lambda: tables_of(torch.float64))
+    assert asked == [torch.float64]
     with force_triton():
-        by_kernel = apply_rope_qk(q.clone(), k.clone(), positions, inv_freq, lambda: tables)
+        by_kernel = apply_rope_qk(q.clone(), k.clone(), positions, inv_freq, lambda: tables_of(torch.float32))
+    assert asked == [torch.float64]  # the kernel made its own angles
     for got in (by_ref, by_kernel):
-        torch.testing.assert_close(got[0], want[0], atol=2e-5, rtol=2e-5)
-        torch.testing.assert_close(got[1], want[1], atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(got[0].float(), want[0], atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(got[1].float(), want[1], atol=2e-5, rtol=2e-5)
