@@ -25,13 +25,17 @@ def kv_cache_torch_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtyp
     return torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else dtype
 
 
-def mtp_cache_bytes(config: EngineConfig, dtype: torch.dtype) -> int:
+def mtp_cache_bytes(config: EngineConfig, dtype: torch.dtype, per_rank: bool = False) -> int:
     """The MTP proposer's cache (`models/mtp_kv.py`): keys and values of `mtp_window + k` positions
-    per running sequence for each attention block of the MTP stack; 0 without MTP speculation."""
+    per running sequence for each attention block of the MTP stack; 0 without MTP speculation.
+    per_rank: one tensor-parallel rank's (its slice of the KV heads), as `cache_bytes_for`'s."""
     spec = config.speculative
     if spec is None or spec.method != "mtp":
         return 0
-    shape = mtp_kv_shape(config.model, config.max_num_seqs, spec.mtp_window + spec.num_speculative_tokens)
+    m = config.model
+    if per_rank and config.tensor_parallel_size > 1:
+        m = local_model_config(m, 0, config.tensor_parallel_size)
+    shape = mtp_kv_shape(m, config.max_num_seqs, spec.mtp_window + spec.num_speculative_tokens)
     return 2 * mtp_attention_blocks(config.model) * _nbytes(shape, dtype)
 
 
@@ -114,13 +118,16 @@ def available_bytes(device: torch.device) -> int | None:
 def cache_fit_error(config: EngineConfig) -> str | None:
     """Why the KV cache and the Mamba states of `config` do not fit in free memory, or None."""
     device = torch.device(config.device)
-    kv, mamba = cache_bytes(config, getattr(torch, config.dtype))
+    dtype = getattr(torch, config.dtype)
+    kv, mamba = cache_bytes(config, dtype)
+    mtp = mtp_cache_bytes(config, dtype)  # allocated after the pools, on the same device
     free = available_bytes(device)
-    if free is None or kv + mamba <= free:
+    if free is None or kv + mamba + mtp <= free:
         return None
     default = "" if config.num_kv_blocks else " (unset: max_num_seqs x the blocks of one max_model_len sequence)"
     return (f"{config.resolved_num_kv_blocks}{default} KV blocks of {config.block_size} tokens need {kv:,} bytes "
-            f"and the Mamba state slots {mamba:,} more, {kv + mamba:,} bytes in all, but {device} has {free:,} "
+            f"and the Mamba state slots {mamba:,} more" + (f", the MTP proposer's cache {mtp:,} more" if mtp else "")
+            + f", {kv + mamba + mtp:,} bytes in all, but {device} has {free:,} "
             "bytes available; lower num_kv_blocks (or max_num_seqs, max_model_len)")
 
 

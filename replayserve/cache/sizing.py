@@ -114,7 +114,7 @@ def plan_cache_sizes(config: EngineConfig, free: int, total: int, own: int) -> C
     dtype = getattr(torch, config.dtype)
     reserve = activation_reserve(config)
     # The MTP proposer's cache is allocated after the pools: it comes off first.
-    budget = int(total * config.gpu_memory_utilization) - own - reserve - mtp_cache_bytes(config, dtype)
+    budget = int(total * config.gpu_memory_utilization) - own - reserve - mtp_cache_bytes(config, dtype, per_rank=True)
 
     def cost(blocks: int, slots: int) -> int:
         return sum(cache_bytes_for(config, dtype, blocks, slots, per_rank=True))  # each rank has its own GPU

@@ -251,7 +251,8 @@ class Grammars:
                 grammar.take_back(length)
 
     def forget(self, request_id: str) -> None:
-        self._grammars.pop(request_id, None)
+        grammar = self._grammars.pop(request_id, None)
+        self._pending = [(g, t) for g, t in self._pending if g is not grammar]  # a token no matcher needs now
         self._compiling.pop(request_id, None)
 
     def _batch_matcher(self) -> xgrammar.BatchGrammarMatcher:

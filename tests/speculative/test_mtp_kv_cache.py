@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from replayserve.builtin.tiny import make_tiny
+from replayserve.cache import memory as cache_memory
 from replayserve.cache.memory import mtp_cache_bytes
+from replayserve.config import ConfigError
 from replayserve.llm import LLM
 from replayserve.models.loader import load_model
 from replayserve.speculative.controlled import ControlledMTPProposer
@@ -180,7 +182,7 @@ def test_engine_drafts_equal_the_recompute_with_preemption_and_hits(tmp_path: Pa
     assert 0 < metrics["spec_num_accepted_tokens"] < metrics["spec_num_draft_tokens"]
 
 
-def test_llm_builds_the_cache_that_sizing_counts(tmp_path: Path) -> None:
+def test_llm_builds_the_cache_that_sizing_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The proposer's cache: a ring of mtp_window + k positions for each of max_num_seqs rows (and
     the scratch row), the bytes `cache/memory.mtp_cache_bytes` takes off the pools' budget."""
     path = make_tiny(tmp_path, seed=0, layers="M*", num_nextn_predict_layers=1,
@@ -193,6 +195,13 @@ def test_llm_builds_the_cache_that_sizing_counts(tmp_path: Path) -> None:
     held = sum(t.numel() * t.element_size() for t in proposer.kv.keys + proposer.kv.values)
     assert held == mtp_cache_bytes(config, torch.float64) > 0
     assert mtp_cache_bytes(dataclasses.replace(config, speculative=None), torch.float64) == 0
+    # the fit check of explicit sizes counts it too: exactly enough fits, a byte less does not
+    needed = sum(cache_memory.cache_bytes(config, torch.float64)) + held
+    monkeypatch.setattr(cache_memory, "available_bytes", lambda device: needed)
+    cache_memory.check_cache_fit(config)
+    monkeypatch.setattr(cache_memory, "available_bytes", lambda device: needed - 1)
+    with pytest.raises(ConfigError, match=rf"the MTP proposer's cache {held:,} more, {needed:,} bytes in all"):
+        cache_memory.check_cache_fit(config)
     with pytest.raises(ValueError, match="max_drafts = 2"):  # the ring holds k = 2 drafts' positions
         proposer.propose_batch([DraftRequest("x", [5, 6, 7], 3)])
 
