@@ -285,3 +285,21 @@ def test_on_cuda_the_kernels_path_follows_the_cpu_reference(kv_cache_dtype: str)
     first = sum(a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0] for a, b in zip(*runs, strict=True))
     print(f"\nCUDA bf16 vs CPU float32, kv_cache_dtype={kv_cache_dtype}: first greedy token equal for {first}/32")
     assert first >= 24
+
+
+def test_loading_keeps_a_row_scale_where_activations_are_scaled_per_call(tmp_path: Path) -> None:
+    """Every FP8 Linear without an input scale, the shared expert included, has its row-wise weight
+    scale once loaded; the routed experts (the fused kernel reads their stacked scales) and Linears
+    with a static input scale (per-tensor scaling) have none. The experts never apply an input scale."""
+    no_input_scales = {n: None for n in load_file(str(FIXTURE / "model.safetensors")) if n.endswith("input_scale")}
+    for ckpt, static in ((FIXTURE, True), (rewritten(tmp_path / "fp8", no_input_scales), False)):
+        model = load_model(ckpt, torch.bfloat16, torch.device("cpu"))
+        routed = {id(m) for m in model.backbone.layers[4].mixer.experts.modules()}
+        fp8 = {name: m for name, m in model.named_modules() if isinstance(m, FP8Linear)}
+        kept = {name for name, m in fp8.items() if m.weight_scale_rows is not None}
+        assert kept == {name for name, m in fp8.items() if id(m) not in routed and m.input_scale is None}
+        shared = {f"backbone.layers.4.mixer.shared_experts.{p}" for p in ("up_proj", "down_proj")}
+        assert shared <= kept and ("backbone.layers.0.mixer.in_proj" in kept) != static  # experts: weight-only
+        for name in kept:
+            m = fp8[name]
+            assert torch.equal(m.weight_scale_rows, m.weight_scale.expand(1, m.out_features)), name
