@@ -14,6 +14,7 @@ from replayserve.speculative.mtp_cache import CacheRows
 from replayserve.speculative.mtp_drafts import greedy_drafts
 from replayserve.speculative.mtp_graphs import DraftGraphs
 from replayserve.speculative.proposers import DraftRequest, Proposer
+from replayserve.transfer import to_device
 
 
 class HiddenStore:
@@ -124,17 +125,20 @@ class MTPProposer(Proposer):
         return drafts
 
     def pack(self, rows: Sequence[tuple[Sequence[int], tuple[int, torch.Tensor], int, int, int, int]],
-             width: int) -> tuple[torch.Tensor, torch.Tensor, MTPCall]:
+             width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows (token ids, recorded run, first and last position to run, lo, cache row) left-padded
         to `width` >= the most positions: hidden (B, width, hidden), ids (B, width) int64 (the token
-        each position predicted) and the call, on the device."""
+        each position predicted) and the call table (4, B) int64 (`MTPCall`'s fields: end, count,
+        lo, cache row), on the device; ids and the table reach it in one pinned, asynchronous copy."""
         hidden = torch.stack([F.pad(run[1][a - run[0] : b - run[0] + 1], (0, 0, width - (b - a + 1), 0))
                               for _, run, a, b, _, _ in rows])
         # Padding ids are any valid token: their positions are masked out of every real row.
-        ids = torch.tensor([[0] * (width - (b - a + 1)) + list(tokens[a + 1 : b + 2])
-                            for tokens, _, a, b, _, _ in rows])
-        call = torch.tensor([[b, b - a + 1, lo, row] for _, _, a, b, lo, row in rows]).to(hidden.device)
-        return hidden, ids.to(hidden.device), MTPCall(*call.T)
+        ids = [v for tokens, _, a, b, _, _ in rows for v in [0] * (width - (b - a + 1)) + list(tokens[a + 1 : b + 2])]
+        table = [v for field in zip(*((b, b - a + 1, lo, row) for _, _, a, b, lo, row in rows), strict=True)
+                 for v in field]
+        packed = to_device(torch.tensor(table + ids, dtype=torch.int64), hidden.device)
+        split = 4 * len(rows)
+        return hidden, packed[split:].view(len(rows), width), packed[:split].view(4, len(rows))
 
     @torch.inference_mode()
     def propose_batch(self, requests: Sequence[DraftRequest]) -> dict[str, tuple[int, ...]]:
@@ -166,10 +170,11 @@ class MTPProposer(Proposer):
         behind = [(r.token_ids, run, a, b - width, lo, row) for r, run, a, b, lo, row in rows if b - a + 1 > width]
         if behind:  # positions before the draft call's: into the cache only
             hidden, ids, call = self.pack(behind, max(b - a + 1 for _, _, a, b, _, _ in behind))
-            self.model.mtp.forward_cached(self.model.backbone.embeddings(ids), hidden, self.kv, call, output=False)
+            self.model.mtp.forward_cached(self.model.backbone.embeddings(ids), hidden, self.kv, MTPCall(*call),
+                                          output=False)
         hidden, ids, call = self.pack([(r.token_ids, run, max(a, b - width + 1), b, lo, row)
                                        for r, run, a, b, lo, row in rows], width)
-        table = (greedy_drafts(self.model, self.kv, hidden, ids, call, k) if self.draft_graphs is None
+        table = (greedy_drafts(self.model, self.kv, hidden, ids, MTPCall(*call), k) if self.draft_graphs is None
                  else self.draft_graphs(hidden, ids, call, k))
         for (r, *_), row in zip(rows, table.tolist(), strict=True):  # the one host sync
             drafts[r.request_id] = tuple(row[: r.room])
