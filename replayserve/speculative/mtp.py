@@ -75,26 +75,36 @@ class MTPProposer(Proposer):
     fixed_shapes: the draft loop always runs max_drafts + 1 new positions per row (what a CUDA
     graph of it needs); a row with more (after its prompt, or a recompute) first runs the rest in
     a call that only fills the cache. None: on CUDA. Off, one call runs the most any row has.
-    draft_graphs: replays the draft loop from CUDA graphs (`mtp_graphs.DraftGraphs` of this
-    proposer's cache); None (the default) runs it eagerly.
+    draft_graphs: replays the draft loop from CUDA graphs (`enable_draft_graphs`: CUDA, fixed
+    shapes); False (the default) runs it eagerly.
     """
 
     def __init__(self, model: nn.Module, store: HiddenStore, window: int = 256, fixed_shapes: bool | None = None,
-                 draft_graphs: DraftGraphs | None = None, max_rows: int = 64, max_drafts: int = 4) -> None:
+                 draft_graphs: bool = False, max_rows: int = 64, max_drafts: int = 4) -> None:
         if not hasattr(model, "mtp"):
             raise ValueError("the model has no MTP layers (num_nextn_predict_layers = 0)")
         if window < 1 or max_rows < 1 or max_drafts < 1:
             raise ValueError(f"MTPProposer needs window, max_rows and max_drafts >= 1, got {window}, {max_rows}, "
                              f"{max_drafts}")
-        if draft_graphs is not None and (draft_graphs.width != max_drafts + 1 or fixed_shapes is False):
-            raise ValueError(f"MTP draft graphs run fixed shapes of max_drafts + 1 = {max_drafts + 1} positions; "
-                             f"got graphs of width {draft_graphs.width} and fixed_shapes={fixed_shapes}")
         self.model, self.store, self.window, self.fixed_shapes = model, store, window, fixed_shapes
-        self.draft_graphs, self.max_drafts = draft_graphs, max_drafts
+        self.max_rows, self.max_drafts = max_rows, max_drafts
+        self.draft_graphs: DraftGraphs | None = None
         cfg, weight = model.config, model.backbone.embeddings.weight
         ring = window + max_drafts
         self.kv = MTPKV.empty(cfg, max_rows, ring, weight.dtype, weight.device)
         self.rows = CacheRows(max_rows, ring, window)
+        if draft_graphs:
+            self.enable_draft_graphs()
+
+    def enable_draft_graphs(self) -> DraftGraphs:
+        """From now on the draft loop replays CUDA graphs (`mtp_graphs.DraftGraphs`) over this
+        proposer's cache, at its fixed width (max_drafts + 1 positions) for up to max_rows rows;
+        `capture_all` on the result captures them before serving."""
+        if self.fixed_shapes is False:
+            raise ValueError("MTPProposer(draft_graphs=True) replays graphs of fixed shapes (max_drafts + 1 = "
+                             f"{self.max_drafts + 1} positions per row); it cannot take fixed_shapes=False")
+        self.draft_graphs = DraftGraphs(self.model, self.kv, self.max_drafts + 1, self.max_rows)
+        return self.draft_graphs
 
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
         return []  # needs the request's hidden states: see propose_request

@@ -113,8 +113,19 @@ def test_padding_rows_change_no_real_row(tmp_path: Path, mtp_layers: tuple[str, 
     real = torch.tensor([[20, 4, 12, 1], [7, 5, 0, 2]])  # end, count, lo, cache row
     pad = torch.tensor([[0, 0, 0, alone.scratch]] * 2)
     want = greedy_drafts(model, alone, hidden[:b], ids[:b], MTPCall(*real.T), k)
+    logits: list[torch.Tensor] = []
+    compute_logits = model.compute_logits
+
+    def recorded(out: torch.Tensor) -> torch.Tensor:
+        logits.append(compute_logits(out))
+        return logits[-1]
+
+    model.compute_logits = recorded  # type: ignore[method-assign]
     got = greedy_drafts(model, padded, hidden, ids, MTPCall(*torch.cat([real, pad]).T), k)
     assert torch.equal(got[:b], want)
+    # The padding rows' drafts come from finite logits (argmax would pick a NaN too), and are tokens.
+    assert len(logits) == k and all(step[b:].isfinite().all() for step in logits)
+    assert ((got[b:] >= 0) & (got[b:] < model.config.vocab_size)).all()
     for a, p in zip(alone.keys + alone.values, padded.keys + padded.values, strict=True):
         # The scratch row aside; a batch of other rows rounds the projections differently.
         torch.testing.assert_close(a[:-1], p[:-1], rtol=0, atol=1e-12)
