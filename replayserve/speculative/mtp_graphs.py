@@ -1,7 +1,7 @@
 """The MTP draft loop (`greedy_drafts`) as CUDA graphs: one per (row bucket, drafts) at the
 proposer's draft-call width (max_drafts + 1 new positions per row), over persistent input buffers
-and the proposer's MTP cache. Off by default: `MTPProposer(draft_graphs=...)` takes it (a benchmark
-switch until it is measured); eager drafts are the reference.
+and the proposer's MTP cache. Off by default: `MTPProposer(draft_graphs=True)` builds it over its
+own cache (a benchmark switch until it is measured); eager drafts are the reference.
 
 A call's rows are copied into the bucket's buffers; rows past them are made padding rows (no real
 position, the cache's scratch row), so they write nothing a real row reads and compute finite
