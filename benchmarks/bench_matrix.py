@@ -67,7 +67,6 @@ from replayserve.sampling_params import SamplingParams  # noqa: E402
 from replayserve.speculative.controlled import ControlledMTPProposer  # noqa: E402
 from replayserve.speculative.metrics import SpecMetrics  # noqa: E402
 from replayserve.speculative.mtp import MTPProposer  # noqa: E402
-from replayserve.speculative.mtp_graphs import DraftGraphs  # noqa: E402
 from replayserve.speculative.proposers import DraftRequest, Proposer  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -222,8 +221,7 @@ def run_config(model: NemotronHForCausalLM, args: argparse.Namespace, backend: s
         if spec:  # after the warm-up, which drafts with proposers of its own
             assert isinstance(engine.proposer, MTPProposer) and paths is not None and acceptance is not None
             if args.mtp_graphs:
-                engine.proposer.draft_graphs = DraftGraphs(model, engine.proposer.kv, args.k + 1, args.batch)
-                engine.proposer.draft_graphs.capture_all(args.k)
+                engine.proposer.enable_draft_graphs().capture_all(args.k)
             controlled = ControlledMTPProposer(engine.proposer, paths, acceptance, seed=args.seed + 1)
             engine.proposer = timed = TimedProposer(controlled, engine.runner.device)
         rows = []

@@ -4,9 +4,10 @@ layer to a higher one. docs/architecture.md opens with the same table.
 Layers, lowest first; a module may import from its own layer and the layers below it:
 
 0. ``ops``: plain-PyTorch references and Triton kernels. Knows no config, no model, no engine.
-1. ``config``, ``sampling_params``, ``tokenizer``, ``chat``, ``outputs``, ``cpu_threads``: values
-   and leaf utilities (frozen configs, the request's sampling options, the tokenizer and chat
-   template, vLLM's output shapes, the CPU thread policy). Everything above reads them; they import
+1. ``config``, ``sampling_params``, ``tokenizer``, ``chat``, ``outputs``, ``cpu_threads``,
+   ``transfer``: values and leaf utilities (frozen configs, the request's sampling options, the
+   tokenizer and chat template, vLLM's output shapes, the CPU thread policy, host-to-device copies
+   through pinned memory, which the engine and the MTP proposer both make). Everything above reads them; they import
    nothing above.
 2. ``ssm``: the Mamba state backends and ``layout.py``: state shapes from the model config, and the
    seam a Mamba2 mixer calls. Below ``layers`` because the mixer calls it, never the reverse.
@@ -45,7 +46,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "replayserve"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("ops",),
-    ("config", "sampling_params", "tokenizer", "chat", "outputs", "cpu_threads", "structured"),
+    ("config", "sampling_params", "tokenizer", "chat", "outputs", "cpu_threads", "structured", "transfer"),
     ("ssm",),
     ("layers",),
     ("models",),

@@ -4,7 +4,8 @@ their drafts, each step's token masks and the tokens they accept.
 Per step, for the engine (`engine/engine.py`):
 - `compiled`: requests whose grammar has compiled go to the scheduler (they waited beside it);
 - `cut_drafts`: a constrained row verifies only the drafts its grammar allows (none while it
-  reasons), so every position of a verify has a mask;
+  reasons), so every position of a verify has a mask; rows without drafts leave their matchers
+  to the fill;
 - `masks`: a callable the runner calls once the forward is queued, so the masks are filled on the
   host while the device runs: one bitmask row per position of each constrained sampling row (a
   verify's positions by advancing the matcher over the drafts, then rolling it back);
@@ -103,13 +104,15 @@ class Grammars:
         return ready, failed
 
     def cut_drafts(self, drafts: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-        """``drafts`` with each constrained row's cut to what its grammar allows."""
-        self._hand_over()
+        """``drafts`` with each constrained row's cut to what its grammar allows. Only the rows
+        with drafts read their matchers here, so only their last tokens are handed over now; the
+        others' wait for the fill, which the device's forward hides."""
+        drafting = {request_id: grammar for request_id, proposed in drafts.items()
+                    if proposed and (grammar := self._grammars.get(request_id)) is not None}
+        self._hand_over(set(drafting.values()))
         out = dict(drafts)
-        for request_id, proposed in drafts.items():
-            grammar = self._grammars.get(request_id)
-            if grammar is not None and proposed:
-                out[request_id] = proposed[: grammar.valid_drafts(proposed)]
+        for request_id, grammar in drafting.items():
+            out[request_id] = drafts[request_id][: grammar.valid_drafts(drafts[request_id])]
         return out
 
     def masks(self, plan: StepPlan, sampling: Sequence[Request]) -> Callable[[], TokenMask | None] | None:
@@ -230,12 +233,17 @@ class Grammars:
         words = self._bitmask[torch.tensor(rows), t >> 5]
         return ((words >> (t & 31)) & 1).bool().tolist()
 
-    def _hand_over(self) -> None:
-        """The matchers take the tokens `accept_all` checked against their masks. One they refuse
-        means xgrammar's mask and matcher disagree: GrammarViolation (the output has the token)."""
-        if not self._pending:
+    def _hand_over(self, only: set[RequestGrammar] | None = None) -> None:
+        """The matchers (those in `only` where given) take the tokens `accept_all` checked against
+        their masks. One they refuse means xgrammar's mask and matcher disagree: GrammarViolation
+        (the output has the token)."""
+        if only is None:
+            pending, self._pending = self._pending, []
+        else:
+            pending = [(g, t) for g, t in self._pending if g in only]
+            self._pending = [(g, t) for g, t in self._pending if g not in only]
+        if not pending:
             return
-        pending, self._pending = self._pending, []
         took = self._batch_matcher().batch_accept_token([g.matcher for g, _ in pending], [t for _, t in pending])
         refused = [t for (_, t), ok in zip(pending, took, strict=True) if not ok]
         if refused:

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from replayserve.engine.transfer import to_device
 from replayserve.sampling_params import SamplingParams
+from replayserve.transfer import to_device
 
 
 def uses_history(p: SamplingParams) -> bool:

@@ -17,7 +17,7 @@ import torch
 
 from replayserve.config import SCORE_ROWS
 from replayserve.engine.sampler import compute_dtype, token_ranks
-from replayserve.engine.transfer import to_device
+from replayserve.transfer import to_device
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ from replayserve.engine.cuda_graph import DecodeGraphs
 from replayserve.engine.prompt_logprobs import PromptScores, score_prompt
 from replayserve.engine.sampler import PendingSample, SampleResult, collect_sample, launch_sample, sample
 from replayserve.engine.scheduler import StepPlan
-from replayserve.engine.transfer import to_device
 from replayserve.layers.granite_ffn import SoftmaxMoE
 from replayserve.layers.mamba2 import Mamba2Mixer
 from replayserve.layers.mlp import MoE
@@ -31,6 +30,7 @@ from replayserve.ssm.gated_delta_replay import GatedDeltaReplayBackend
 from replayserve.ssm.layout import GatedDeltaLayout, MambaLayout
 from replayserve.ssm.replay import ReplayBackend
 from replayserve.ssm.slot_state import SlotStateBackend
+from replayserve.transfer import to_device
 
 if TYPE_CHECKING:
     from replayserve.speculative.mtp import HiddenStore

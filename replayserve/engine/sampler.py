@@ -36,10 +36,10 @@ from typing import NamedTuple
 import torch
 
 from replayserve.engine.penalties import Penalties, apply_penalties
-from replayserve.engine.transfer import to_device
 from replayserve.ops.token_bitmask import TokenMask, apply_token_bitmask
 from replayserve.sampling_params import SamplingParams
 from replayserve.speculative.acceptance import accept_drafts
+from replayserve.transfer import to_device
 
 
 class SampleResult(NamedTuple):

@@ -56,19 +56,25 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attend(q, k, v, ctx, kv_cache).reshape(t, -1))
 
+    def rope_inv_freq(self, device: torch.device) -> torch.Tensor:
+        """The layer's RoPE inverse frequencies (`ops.rope.rope_inv_freq`) on `device`, made once.
+        Kept here, not as a buffer, which the loader's meta-device build would leave uninitialised
+        and a cast would round. Not kept when first made inside a CUDA-graph capture (its memory
+        would belong to the graph's pool)."""
+        assert self.rope is not None
+        inv_freq = self._inv_freq_on.get(device)
+        if inv_freq is None:
+            inv_freq = rope_inv_freq(*self.rope, device=device)
+            if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                self._inv_freq_on[device] = inv_freq
+        return inv_freq
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext,
                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """RoPE (where the config sets it), the KV cache write and attention over the cache:
         q (T, H, Dh), k and v (T, Hkv, Dh) -> (T, H, Dh)."""
         if self.rope is not None:
-            # Made on the device and kept: not a buffer, which the loader's meta-device build would
-            # leave uninitialised and a cast would round. Not kept when first made inside a CUDA-graph
-            # capture (its memory would belong to the graph's pool).
-            inv_freq = self._inv_freq_on.get(q.device)
-            if inv_freq is None:
-                inv_freq = rope_inv_freq(*self.rope, device=q.device)
-                if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-                    self._inv_freq_on[q.device] = inv_freq
+            inv_freq = self.rope_inv_freq(q.device)
             key = (*self.rope, q.dtype)
 
             def cos_sin() -> tuple[torch.Tensor, torch.Tensor]:

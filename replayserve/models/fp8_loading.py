@@ -75,17 +75,21 @@ def _expert_modules(name: str, moe: MoE) -> tuple[list[str], list[str]]:
 
 def _check_expert_kinds(model: nn.Module, quantized: set[str] | frozenset[str], source: str) -> None:
     """The routed experts of a MoE layer are one stack, so all FP8 or all 16-bit (else an error
-    naming a module of each kind). A shared expert of the other kind (or half quantized) cannot
-    join that stack: it is then not folded in (``MoE.num_folded`` = 0) and runs as its own MLP."""
+    naming a module of each kind)."""
     for name, moe in _moe_layers(model):
-        routed, shared = _expert_modules(name, moe)
+        routed, _ = _expert_modules(name, moe)
         fp8 = [m for m in routed if m in quantized]
         if fp8 and len(fp8) != len(routed):
             other = next(m for m in routed if m not in quantized)
             raise QuantizationError(f"{source} quantizes {fp8[0]} but not {other}: a MoE layer's routed experts "
                                     "run as one stack, so they must be all FP8 or all 16-bit")
-        if {m in quantized for m in shared} != {bool(fp8)}:
-            moe.num_folded = 0
+
+
+def _shared_expert_apart(name: str, moe: MoE, quantized: set[str] | frozenset[str]) -> bool:
+    """Whether MoE layer ``name``'s shared expert is of another kind than its routed experts (or
+    half quantized): it cannot then join their stack."""
+    routed, shared = _expert_modules(name, moe)
+    return {m in quantized for m in shared} != {routed[0] in quantized}
 
 
 def prepare_fp8_model(model: nn.Module, quant: QuantConfig, header: Mapping[str, Tensor]) -> FP8Plan:
@@ -98,13 +102,28 @@ def prepare_fp8_model(model: nn.Module, quant: QuantConfig, header: Mapping[str,
     """
     linears, attentions = quantizable_modules(model)
     found = check_quantized_tensors(header, quant, linears, attentions)
-    _check_expert_kinds(model, set(found.linears), quant.source)
+    quantized = set(found.linears)
+    _check_expert_kinds(model, quantized, quant.source)
+    for name, moe in _moe_layers(model):
+        if _shared_expert_apart(name, moe, quantized):
+            moe.num_folded = 0  # not folded into the grouped GEMM: it runs as its own MLP
     experts = {m for name, moe in _moe_layers(model) for part in _expert_modules(name, moe) for m in part}
     for module in found.linears:
         _swap_in(model, module, found.static_activations and module not in experts)
     for attention, scales in found.kv_cache.items():  # read once here: the kernels take them as numbers
         model.get_submodule(attention).kv_scales = (float(scales.k_scale), float(scales.v_scale))
     return FP8Plan(found)
+
+
+def keep_row_scales_(model: nn.Module) -> None:
+    """Once every ``weight_scale`` is final (loaded, and folded by ``prepare_weights_``): each
+    ``FP8Linear`` that scales its activations per call keeps its row-wise weight scale
+    (``FP8Linear.keep_row_scale_``), so the GEMM path does not rebuild it per call. The routed
+    experts are left out: the fused MoE kernel reads their stacked scales instead."""
+    routed = {id(e) for _, moe in _moe_layers(model) for e in moe.experts.modules()}
+    for module in model.modules():
+        if isinstance(module, FP8Linear) and module.input_scale is None and id(module) not in routed:
+            module.keep_row_scale_()
 
 
 def _swap_in(model: nn.Module, module: str, static_input_scale: bool) -> tuple[nn.Linear, FP8Linear]:
@@ -147,4 +166,5 @@ def quantize_model_fp8(model: nn.Module, quant: QuantConfig) -> list[str]:
         del linear  # an expert's weight is a view of the 16-bit stack: drop it before restacking
         if i in last_expert:  # the FP8 experts become views of FP8 stacks; the 16-bit stack goes
             last_expert[i].stacked_experts()
+    keep_row_scales_(model)
     return chosen

@@ -146,9 +146,6 @@ class GraniteMoeHybridForCausalLM(nn.Module):
         # What the logits are divided by: logits_scaling until the multipliers are folded.
         self.logits_divisor = cfg.logits_scaling
         self.weights_prepared = False
-        # Whether folding changed any weight: a checkpoint written now would hold other weights
-        # (`models/writer.py` refuses it).
-        self.weights_rescaled = False
 
     def prepare_weights_(self) -> GraniteMoeHybridForCausalLM:
         """Once the weights are loaded (the loader calls it), once: folds the config's multipliers
@@ -166,9 +163,14 @@ class GraniteMoeHybridForCausalLM(nn.Module):
         for layer in self.backbone.layers:
             layer.fold_multipliers_(cfg)
             layer.stack_projections_()
-        self.weights_rescaled = any(m != 1.0 for m in multipliers(cfg))
         self.weights_prepared = True
         return self
+
+    @property
+    def weights_rescaled(self) -> bool:
+        """Whether folding changed any weight: a checkpoint written now would hold other weights
+        (`models/writer.py` refuses it)."""
+        return self.weights_prepared and any(m != 1.0 for m in multipliers(self.config))
 
     def cast_(self, dtype: torch.dtype) -> GraniteMoeHybridForCausalLM:
         return self.to(dtype)

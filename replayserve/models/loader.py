@@ -17,7 +17,7 @@ from torch import nn
 
 from replayserve.config import ModelConfig
 from replayserve.models.checkpoint_error import CheckpointError
-from replayserve.models.fp8_loading import prepare_fp8_model
+from replayserve.models.fp8_loading import keep_row_scales_, prepare_fp8_model
 from replayserve.models.quantization import read_quant_config
 from replayserve.models.registry import family_of
 from replayserve.models.sharding import RankShard
@@ -217,4 +217,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
         raise CheckpointError(f"checkpoint is missing tensors: {missing[:8]}")
     if hasattr(model, "prepare_weights_"):  # the Granite-style families: multipliers folded, projections stacked
         model.prepare_weights_()
+    if fp8 is not None:  # after the folding, which rescales weight_scale
+        keep_row_scales_(model)
     return model.eval()

@@ -27,7 +27,7 @@ from replayserve.layers.linear import Linear
 from replayserve.layers.norm import ZeroCenteredRMSNorm
 from replayserve.layers.qwen_moe import SparseMoeBlock
 from replayserve.models.mtp_kv import MTPKV, MTPCall, cached_attention, write_kv
-from replayserve.ops.rope import apply_rope_ref, rope_inv_freq
+from replayserve.ops.rope import apply_rope_ref
 
 
 class QwenMTPLayer(nn.Module):
@@ -110,6 +110,6 @@ def _project(attn: GatedAttention, queries: torch.Tensor, hidden: torch.Tensor, 
     k = attn.k_norm(attn.k_proj(hidden).view(-1, attn.num_kv_heads, attn.head_dim))
     v = attn.v_proj(hidden).view(-1, attn.num_kv_heads, attn.head_dim)
     if attn.rope is not None:
-        inv_freq = rope_inv_freq(*attn.rope, device=hidden.device)
+        inv_freq = attn.rope_inv_freq(hidden.device)
         q, k = apply_rope_ref(q, query_pos, inv_freq), apply_rope_ref(k, key_pos, inv_freq)
     return q, gate, k, v

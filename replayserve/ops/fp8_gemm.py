@@ -7,7 +7,8 @@ Triton launch (``fp8_quant_triton``); elsewhere the plain-PyTorch references.
 
 ``torch._scaled_mm`` (torch 2.13) asks: ``mat1`` (M, K) row-major and ``mat2`` (K, N) column-major,
 both float8; K and N multiples of 16 (M is free); per-tensor scales as one-element float32 tensors,
-or row-wise ones as (M, 1) and (1, N) float32 (bf16 output on CUDA); a bias in the output dtype. A
+or row-wise ones as (M, 1) and (1, N) float32, contiguous (bf16 output on CUDA); a bias in the output
+dtype, bf16 or fp16 (cuBLASLt adds none to an fp32 output; CUTLASS's row-wise kernel takes it). A
 checkpoint's weight is (N, K) row-major, so ``weight.t()`` is the column-major ``mat2`` with no copy.
 Shapes it refuses go to the dequantizing path (``scaled_mm_fits`` says which). Nothing here reads a
 tensor back to the host, so a CUDA graph can capture it.
@@ -32,8 +33,15 @@ def scaled_mm_fits(weight: Tensor) -> bool:
             and k % SCALED_MM_MULTIPLE == 0)
 
 
+def row_wise_weight_scale(weight_scale: Tensor, n: int) -> Tensor:
+    """The per-tensor ``weight_scale`` (one element) as the (1, N) contiguous float32 ``scale_b`` of
+    row-wise scaling (``_scaled_mm`` refuses a stride-0 expand)."""
+    return weight_scale.to(torch.float32).reshape(1, 1).expand(1, n).contiguous()
+
+
 def fp8_scaled_mm(x: Tensor, weight: Tensor, weight_scale: Tensor, input_scale: Tensor | None = None,
-                  bias: Tensor | None = None, out_dtype: torch.dtype | None = None) -> Tensor:
+                  bias: Tensor | None = None, out_dtype: torch.dtype | None = None,
+                  weight_scale_rows: Tensor | None = None) -> Tensor:
     """``fp8_linear_ref(x, weight, weight_scale, input_scale, bias)`` as one FP8 GEMM; without an
     ``input_scale``, the activations are quantized per row (``quantize_fp8_rows``), or per tensor
     (``fp8_scale``) for a CUDA output other than bf16 (CUDA's row-wise scaling writes bf16 only).
@@ -42,9 +50,10 @@ def fp8_scaled_mm(x: Tensor, weight: Tensor, weight_scale: Tensor, input_scale: 
         x: (..., K) bf16, fp16 or fp32 activations.
         weight: (N, K) float8_e4m3fn, row-major; ``scaled_mm_fits(weight)`` must hold.
         weight_scale, input_scale: one-element float32 per-tensor scales on x's device.
-        bias: (N,) or None; added in the epilogue in ``out_dtype`` (fp32 outputs, and row-wise
-            scaling, add it after).
+        bias: (N,) or None; added in the epilogue in ``out_dtype`` (an fp32 output adds it after).
         out_dtype: the result's dtype; x.dtype when None.
+        weight_scale_rows: ``row_wise_weight_scale(weight_scale, N)``, kept by a caller that runs
+            this repeatedly (``FP8Linear``: made once at load); None builds it here when needed.
 
     Returns:
         (..., N) in ``out_dtype``.
@@ -60,13 +69,13 @@ def fp8_scaled_mm(x: Tensor, weight: Tensor, weight_scale: Tensor, input_scale: 
     out_dtype = out_dtype or x.dtype
     rows = x.reshape(-1, k)
     row_wise = input_scale is None and (out_dtype == torch.bfloat16 or not x.is_cuda)
-    scale_b = weight_scale.to(torch.float32).reshape(())
     if row_wise:
         q, scale_a = _quantize(rows, None)
-        scale_b = scale_b.reshape(1, 1).expand(1, n).contiguous()
+        scale_b = row_wise_weight_scale(weight_scale, n) if weight_scale_rows is None else weight_scale_rows
     else:
         q, scale_a = _quantize(rows, fp8_scale(rows) if input_scale is None else input_scale)
-    epilogue_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16) and not row_wise
+        scale_b = weight_scale.to(torch.float32).reshape(())
+    epilogue_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
     y = torch._scaled_mm(q, weight.t(), scale_a=scale_a, scale_b=scale_b,
                          bias=bias.to(out_dtype) if epilogue_bias else None, out_dtype=out_dtype)
     if bias is not None and not epilogue_bias:

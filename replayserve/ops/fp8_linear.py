@@ -22,12 +22,14 @@ from replayserve.ops.fp8_gemm import fp8_scaled_mm, scaled_mm_fits
 
 
 def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, input_scale: Tensor | None = None,
-               bias: Tensor | None = None) -> Tensor:
+               bias: Tensor | None = None, weight_scale_rows: Tensor | None = None) -> Tensor:
     """``fp8_linear_ref(x, weight, weight_scale, input_scale, bias)`` by the fastest path that serves.
 
     x: (..., K) float; weight: (N, K) float8_e4m3fn; weight_scale, input_scale: 0-dim float32 on
     x's device (input_scale None: activations stay 16-bit on the GEMV and reference paths, and are
-    scaled per call on the ``_scaled_mm`` path); bias: (N,) or None. Returns (..., N) in x.dtype.
+    scaled per call on the ``_scaled_mm`` path); bias: (N,) or None; weight_scale_rows: (1, N)
+    float32, ``weight_scale`` repeated, which the ``_scaled_mm`` path's row-wise scaling reads
+    (None: built there per call). Returns (..., N) in x.dtype.
     """
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
@@ -37,5 +39,5 @@ def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, input_scale: Ten
         y = fp8_gemv_triton(x.reshape(rows, k), weight, weight_scale, input_scale, bias)
         return y.reshape(*x.shape[:-1], weight.shape[0])
     if use_triton(x) and x.is_cuda and rows > 0 and scaled_mm_fits(weight):
-        return fp8_scaled_mm(x, weight, weight_scale, input_scale, bias)
+        return fp8_scaled_mm(x, weight, weight_scale, input_scale, bias, weight_scale_rows=weight_scale_rows)
     return fp8_linear_ref(x, weight, weight_scale, input_scale, bias)

@@ -14,6 +14,7 @@ from replayserve.speculative.mtp_cache import CacheRows
 from replayserve.speculative.mtp_drafts import greedy_drafts
 from replayserve.speculative.mtp_graphs import DraftGraphs
 from replayserve.speculative.proposers import DraftRequest, Proposer
+from replayserve.transfer import to_device
 
 
 class HiddenStore:
@@ -74,26 +75,36 @@ class MTPProposer(Proposer):
     fixed_shapes: the draft loop always runs max_drafts + 1 new positions per row (what a CUDA
     graph of it needs); a row with more (after its prompt, or a recompute) first runs the rest in
     a call that only fills the cache. None: on CUDA. Off, one call runs the most any row has.
-    draft_graphs: replays the draft loop from CUDA graphs (`mtp_graphs.DraftGraphs` of this
-    proposer's cache); None (the default) runs it eagerly.
+    draft_graphs: replays the draft loop from CUDA graphs (`enable_draft_graphs`: CUDA, fixed
+    shapes); False (the default) runs it eagerly.
     """
 
     def __init__(self, model: nn.Module, store: HiddenStore, window: int = 256, fixed_shapes: bool | None = None,
-                 draft_graphs: DraftGraphs | None = None, max_rows: int = 64, max_drafts: int = 4) -> None:
+                 draft_graphs: bool = False, max_rows: int = 64, max_drafts: int = 4) -> None:
         if not hasattr(model, "mtp"):
             raise ValueError("the model has no MTP layers (num_nextn_predict_layers = 0)")
         if window < 1 or max_rows < 1 or max_drafts < 1:
             raise ValueError(f"MTPProposer needs window, max_rows and max_drafts >= 1, got {window}, {max_rows}, "
                              f"{max_drafts}")
-        if draft_graphs is not None and (draft_graphs.width != max_drafts + 1 or fixed_shapes is False):
-            raise ValueError(f"MTP draft graphs run fixed shapes of max_drafts + 1 = {max_drafts + 1} positions; "
-                             f"got graphs of width {draft_graphs.width} and fixed_shapes={fixed_shapes}")
         self.model, self.store, self.window, self.fixed_shapes = model, store, window, fixed_shapes
-        self.draft_graphs, self.max_drafts = draft_graphs, max_drafts
+        self.max_rows, self.max_drafts = max_rows, max_drafts
+        self.draft_graphs: DraftGraphs | None = None
         cfg, weight = model.config, model.backbone.embeddings.weight
         ring = window + max_drafts
         self.kv = MTPKV.empty(cfg, max_rows, ring, weight.dtype, weight.device)
         self.rows = CacheRows(max_rows, ring, window)
+        if draft_graphs:
+            self.enable_draft_graphs()
+
+    def enable_draft_graphs(self) -> DraftGraphs:
+        """From now on the draft loop replays CUDA graphs (`mtp_graphs.DraftGraphs`) over this
+        proposer's cache, at its fixed width (max_drafts + 1 positions) for up to max_rows rows;
+        `capture_all` on the result captures them before serving."""
+        if self.fixed_shapes is False:
+            raise ValueError("MTPProposer(draft_graphs=True) replays graphs of fixed shapes (max_drafts + 1 = "
+                             f"{self.max_drafts + 1} positions per row); it cannot take fixed_shapes=False")
+        self.draft_graphs = DraftGraphs(self.model, self.kv, self.max_drafts + 1, self.max_rows)
+        return self.draft_graphs
 
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
         return []  # needs the request's hidden states: see propose_request
@@ -124,17 +135,20 @@ class MTPProposer(Proposer):
         return drafts
 
     def pack(self, rows: Sequence[tuple[Sequence[int], tuple[int, torch.Tensor], int, int, int, int]],
-             width: int) -> tuple[torch.Tensor, torch.Tensor, MTPCall]:
+             width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows (token ids, recorded run, first and last position to run, lo, cache row) left-padded
         to `width` >= the most positions: hidden (B, width, hidden), ids (B, width) int64 (the token
-        each position predicted) and the call, on the device."""
+        each position predicted) and the call table (4, B) int64 (`MTPCall`'s fields: end, count,
+        lo, cache row), on the device; ids and the table reach it in one pinned, asynchronous copy."""
         hidden = torch.stack([F.pad(run[1][a - run[0] : b - run[0] + 1], (0, 0, width - (b - a + 1), 0))
                               for _, run, a, b, _, _ in rows])
         # Padding ids are any valid token: their positions are masked out of every real row.
-        ids = torch.tensor([[0] * (width - (b - a + 1)) + list(tokens[a + 1 : b + 2])
-                            for tokens, _, a, b, _, _ in rows])
-        call = torch.tensor([[b, b - a + 1, lo, row] for _, _, a, b, lo, row in rows]).to(hidden.device)
-        return hidden, ids.to(hidden.device), MTPCall(*call.T)
+        ids = [v for tokens, _, a, b, _, _ in rows for v in [0] * (width - (b - a + 1)) + list(tokens[a + 1 : b + 2])]
+        table = [v for field in zip(*((b, b - a + 1, lo, row) for _, _, a, b, lo, row in rows), strict=True)
+                 for v in field]
+        packed = to_device(torch.tensor(table + ids, dtype=torch.int64), hidden.device)
+        split = 4 * len(rows)
+        return hidden, packed[split:].view(len(rows), width), packed[:split].view(4, len(rows))
 
     @torch.inference_mode()
     def propose_batch(self, requests: Sequence[DraftRequest]) -> dict[str, tuple[int, ...]]:
@@ -166,10 +180,11 @@ class MTPProposer(Proposer):
         behind = [(r.token_ids, run, a, b - width, lo, row) for r, run, a, b, lo, row in rows if b - a + 1 > width]
         if behind:  # positions before the draft call's: into the cache only
             hidden, ids, call = self.pack(behind, max(b - a + 1 for _, _, a, b, _, _ in behind))
-            self.model.mtp.forward_cached(self.model.backbone.embeddings(ids), hidden, self.kv, call, output=False)
+            self.model.mtp.forward_cached(self.model.backbone.embeddings(ids), hidden, self.kv, MTPCall(*call),
+                                          output=False)
         hidden, ids, call = self.pack([(r.token_ids, run, max(a, b - width + 1), b, lo, row)
                                        for r, run, a, b, lo, row in rows], width)
-        table = (greedy_drafts(self.model, self.kv, hidden, ids, call, k) if self.draft_graphs is None
+        table = (greedy_drafts(self.model, self.kv, hidden, ids, MTPCall(*call), k) if self.draft_graphs is None
                  else self.draft_graphs(hidden, ids, call, k))
         for (r, *_), row in zip(rows, table.tolist(), strict=True):  # the one host sync
             drafts[r.request_id] = tuple(row[: r.room])

@@ -1,7 +1,7 @@
 """The MTP draft loop (`greedy_drafts`) as CUDA graphs: one per (row bucket, drafts) at the
 proposer's draft-call width (max_drafts + 1 new positions per row), over persistent input buffers
-and the proposer's MTP cache. Off by default: `MTPProposer(draft_graphs=...)` takes it (a benchmark
-switch until it is measured); eager drafts are the reference.
+and the proposer's MTP cache. Off by default: `MTPProposer(draft_graphs=True)` builds it over its
+own cache (a benchmark switch until it is measured); eager drafts are the reference.
 
 A call's rows are copied into the bucket's buffers; rows past them are made padding rows (no real
 position, the cache's scratch row), so they write nothing a real row reads and compute finite
@@ -72,17 +72,18 @@ class DraftGraphs:
             for k in range(1, max_drafts + 1):
                 self._graph(bucket, k)
 
-    def __call__(self, hidden: torch.Tensor, ids: torch.Tensor, call: MTPCall, num_drafts: int) -> torch.Tensor:
-        """`greedy_drafts(model, kv, hidden, ids, call, num_drafts)` for (B, width) inputs: (B, k)
-        int64, valid until the next call."""
+    def __call__(self, hidden: torch.Tensor, ids: torch.Tensor, call: torch.Tensor, num_drafts: int) -> torch.Tensor:
+        """`greedy_drafts(model, kv, hidden, ids, MTPCall(*call), num_drafts)` for (B, width)
+        inputs and the (4, B) int64 call table (`MTPProposer.pack`'s): (B, k) int64, valid until
+        the next call."""
         rows = hidden.shape[0]
         bucket = self.bucket(rows)
         if bucket is None or hidden.shape[1] != self.width:
-            return greedy_drafts(self.model, self.kv, hidden, ids, call, num_drafts)
+            return greedy_drafts(self.model, self.kv, hidden, ids, MTPCall(*call), num_drafts)
         entry = self._graph(bucket, num_drafts)  # before the inputs: a capture resets them
         self.hidden[:rows].copy_(hidden)
         self.ids[:rows].copy_(ids)
-        self.call[:, :rows].copy_(torch.stack([call.end, call.count, call.lo, call.rows]))
+        self.call[:, :rows].copy_(call)
         self.call[:, rows:bucket].copy_(self._padding.expand(-1, bucket - rows))
         entry.graph.replay()
         return entry.drafts[:rows]

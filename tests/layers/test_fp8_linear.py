@@ -47,3 +47,14 @@ def test_the_forward_is_the_reference_with_the_static_input_scale() -> None:
     want = fp8_linear_ref(x, layer.weight, layer.weight_scale, layer.input_scale, layer.bias)
     torch.testing.assert_close(layer(x), want, rtol=0, atol=0)
     assert "static_input_scale=True" in repr(layer)
+
+
+def test_the_kept_row_scale_is_the_weight_scale_and_survives_a_dtype_cast() -> None:
+    layer = filled(static=False)
+    assert layer.weight_scale_rows is None and "weight_scale_rows" not in layer.state_dict()
+    layer.keep_row_scale_()
+    nn.Sequential(layer).to(torch.bfloat16)
+    rows = layer.weight_scale_rows
+    assert rows is not None and rows.dtype == torch.float32 and rows.shape == (1, 6) and rows.is_contiguous()
+    assert torch.equal(rows, layer.weight_scale.expand(1, 6))
+    assert "weight_scale_rows" not in layer.state_dict()  # not a checkpoint tensor

@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from replayserve.builtin.tiny import make_tiny
+from replayserve.config import ModelConfig
 from replayserve.layers.linear import Linear
 from replayserve.layers.stacked import StackedProjection
 from replayserve.models.loader import load_model
+from replayserve.models.registry import family_of
 from replayserve.models.writer import save_model
 
 
@@ -65,3 +67,13 @@ def test_a_model_with_folded_multipliers_is_not_written(tmp_path: Path) -> None:
     model = load_model(make_tiny(tmp_path / "src", family="falcon_h1"), torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match="multipliers folded"):
         save_model(model, tmp_path / "out", torch.float32, max_shard_bytes=1 << 30)
+
+
+def test_folding_marks_a_model_rescaled_only_once_it_has_run(tmp_path: Path) -> None:
+    """Falcon-H1 has multipliers: unprepared it may be written, prepared it may not; Bamba's
+    (multipliers of 1) never counts as rescaled."""
+    for family, rescaled in (("falcon_h1", True), ("bamba", False)):
+        cfg = ModelConfig.from_dir(make_tiny(tmp_path / family, family=family))
+        model = family_of(cfg).model_class(cfg)
+        assert not model.weights_rescaled
+        assert model.prepare_weights_().weights_rescaled == rescaled, family

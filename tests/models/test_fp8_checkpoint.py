@@ -18,10 +18,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from replayserve import LLM, SamplingParams
+from replayserve.builtin.tiny import make_tiny
 from replayserve.layers.fp8_linear import FP8Linear
 from replayserve.models.loader import CheckpointError, load_model
+from replayserve.models.quantization import quantizable_modules
 from replayserve.ops.dispatch import force_triton
-from replayserve.ops.fp8 import FP8_DTYPE, dequantize_fp8
+from replayserve.ops.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8_per_tensor
+from replayserve.quantize import _quantization_config
 
 FIXTURE = Path(__file__).parent / "fixtures" / "modelopt_fp8"
 VOCAB = 64
@@ -285,3 +288,52 @@ def test_on_cuda_the_kernels_path_follows_the_cpu_reference(kv_cache_dtype: str)
     first = sum(a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0] for a, b in zip(*runs, strict=True))
     print(f"\nCUDA bf16 vs CPU float32, kv_cache_dtype={kv_cache_dtype}: first greedy token equal for {first}/32")
     assert first >= 24
+
+
+def test_loading_keeps_a_row_scale_where_activations_are_scaled_per_call(tmp_path: Path) -> None:
+    """Every FP8 Linear without an input scale, the shared expert included, has its row-wise weight
+    scale once loaded; the routed experts (the fused kernel reads their stacked scales) and Linears
+    with a static input scale (per-tensor scaling) have none. The experts never apply an input scale."""
+    no_input_scales = {n: None for n in load_file(str(FIXTURE / "model.safetensors")) if n.endswith("input_scale")}
+    for ckpt, static in ((FIXTURE, True), (rewritten(tmp_path / "fp8", no_input_scales), False)):
+        model = load_model(ckpt, torch.bfloat16, torch.device("cpu"))
+        routed = {id(m) for m in model.backbone.layers[4].mixer.experts.modules()}
+        fp8 = {name: m for name, m in model.named_modules() if isinstance(m, FP8Linear)}
+        kept = {name for name, m in fp8.items() if m.weight_scale_rows is not None}
+        assert kept == {name for name, m in fp8.items() if id(m) not in routed and m.input_scale is None}
+        shared = {f"backbone.layers.4.mixer.shared_experts.{p}" for p in ("up_proj", "down_proj")}
+        assert shared <= kept and ("backbone.layers.0.mixer.in_proj" in kept) != static  # experts: weight-only
+        for name in kept:
+            m = fp8[name]
+            assert torch.equal(m.weight_scale_rows, m.weight_scale.expand(1, m.out_features)), name
+
+
+def test_a_granite_fp8_checkpoint_keeps_the_row_scales_of_its_folded_scales(tmp_path: Path) -> None:
+    """Granite 4.0-H folds residual_multiplier into its output Linears' weight_scale at load: the
+    row-wise scales are made after that, from the folded values."""
+    src = make_tiny(tmp_path / "src", family="granite", layers="M*")
+    linears, _ = quantizable_modules(load_model(src, torch.float32, torch.device("cpu")))
+    chosen = [m for m in linears if not m.endswith("router.layer")]  # the router stays 32-bit
+
+    def stored(module: str) -> str:
+        return module if module == "lm_head" else "model." + module.removeprefix("backbone.")
+
+    tensors = load_file(str(src / "model.safetensors"))
+    for m in chosen:
+        tensors[f"{stored(m)}.weight"], tensors[f"{stored(m)}.weight_scale"] = quantize_fp8_per_tensor(
+            tensors[f"{stored(m)}.weight"])
+    out = tmp_path / "fp8"
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"))
+    quant_file, section = _quantization_config([m for m in linears if m not in chosen])
+    (out / "hf_quant_config.json").write_text(json.dumps(quant_file))
+    config = json.loads((src / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "quantization_config": section}))
+    shutil.copy(src / "tokenizer.json", out)
+    fp8 = {n: m for n, m in load_model(out, torch.float32, torch.device("cpu")).named_modules()
+           if isinstance(m, FP8Linear)}
+    assert set(fp8) == set(chosen)
+    folded = [n for n, m in fp8.items() if not torch.equal(m.weight_scale, tensors[f"{stored(n)}.weight_scale"])]
+    assert "backbone.layers.0.mamba.out_proj" in folded
+    for name, m in fp8.items():
+        assert torch.equal(m.weight_scale_rows, m.weight_scale.expand(1, m.out_features)), name

@@ -115,3 +115,24 @@ def test_mtp_experts_stored_fused_load_as_the_per_expert_ones(tmp_path: Path) ->
     got = load_model(path, torch.float64, torch.device("cpu")).mtp.state_dict()
     assert got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_the_mtp_attention_makes_its_rope_frequencies_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls after the first reuse the layer's inverse frequencies (`Attention.rope_inv_freq`)."""
+    from replayserve.layers import attention
+
+    model = load_model(make_qwen_mtp(tmp_path / "mtp"), torch.float32, torch.device("cpu"))
+    made: list[torch.Tensor] = []
+    real = attention.rope_inv_freq
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        made.append(real(*args, **kwargs))  # type: ignore[arg-type]
+        return made[-1]
+
+    monkeypatch.setattr(attention, "rope_inv_freq", counted)
+    ids = torch.randint(3, model.config.vocab_size, (6,), generator=torch.Generator().manual_seed(1))
+    hidden = torch.randn(6, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        first = model.mtp(model.backbone.embeddings(ids), hidden)
+        again = model.mtp(model.backbone.embeddings(ids), hidden)
+    assert len(made) == len(model.mtp.layers) and torch.equal(first, again)

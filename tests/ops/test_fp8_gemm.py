@@ -15,7 +15,7 @@ from replayserve.ops.fp8 import (
     quantize_fp8_per_tensor,
     quantize_fp8_rows,
 )
-from replayserve.ops.fp8_gemm import fp8_scaled_mm, scaled_mm_fits
+from replayserve.ops.fp8_gemm import fp8_scaled_mm, row_wise_weight_scale, scaled_mm_fits
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -81,3 +81,39 @@ def test_scaled_mm_fits_names_the_constraints() -> None:
         fp8_scaled_mm(torch.zeros(1, 40), torch.zeros(32, 40, dtype=FP8_DTYPE), torch.ones(()))
     with pytest.raises(ValueError, match="do not match"):
         fp8_scaled_mm(torch.zeros(1, 32), w, torch.ones(()))
+
+
+def test_a_kept_row_scale_is_the_one_read_and_equals_the_built_one() -> None:
+    """``weight_scale_rows`` is what the row-wise GEMM reads (twice the scale: twice the output),
+    and ``row_wise_weight_scale`` gives what the call builds without one."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(6, 64, generator=gen).to(DEVICE)
+    w_q, w_s = (t.to(DEVICE) for t in quantize_fp8_per_tensor(torch.randn(32, 64, generator=gen)))
+    rows = row_wise_weight_scale(w_s, 32)
+    assert rows.shape == (1, 32) and rows.dtype == torch.float32 and rows.is_contiguous()
+    assert torch.equal(rows, w_s.expand(1, 32))
+    out = torch.bfloat16  # row-wise on the CPU and on CUDA
+    y = fp8_scaled_mm(x.to(out), w_q, w_s, weight_scale_rows=rows)
+    torch.testing.assert_close(y, fp8_scaled_mm(x.to(out), w_q, w_s), rtol=0, atol=0)
+    torch.testing.assert_close(fp8_scaled_mm(x.to(out), w_q, w_s, weight_scale_rows=2 * rows), 2 * y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_a_16_bit_bias_goes_into_the_epilogue(static: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 and fp16 outputs hand the bias to _scaled_mm (per-tensor and row-wise scaling alike),
+    fp32 ones add it after (cuBLASLt takes none there)."""
+    handed: list[torch.Tensor | None] = []
+    scaled_mm = torch._scaled_mm
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        handed.append(kwargs.get("bias"))  # type: ignore[arg-type]
+        return scaled_mm(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    w_q, w_s = (t.to(DEVICE) for t in quantize_fp8_per_tensor(torch.randn(32, 64)))
+    for out_dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x, b = torch.randn(4, 64, dtype=out_dtype, device=DEVICE), torch.randn(32, dtype=out_dtype, device=DEVICE)
+        fp8_scaled_mm(x, w_q, w_s, fp8_scale(x) if static else None, b)
+        assert (handed[-1] is not None) == (out_dtype != torch.float32), out_dtype
+        if handed[-1] is not None:
+            assert handed[-1].dtype == out_dtype and torch.equal(handed[-1], b)

@@ -113,8 +113,47 @@ def test_padding_rows_change_no_real_row(tmp_path: Path, mtp_layers: tuple[str, 
     real = torch.tensor([[20, 4, 12, 1], [7, 5, 0, 2]])  # end, count, lo, cache row
     pad = torch.tensor([[0, 0, 0, alone.scratch]] * 2)
     want = greedy_drafts(model, alone, hidden[:b], ids[:b], MTPCall(*real.T), k)
+    logits: list[torch.Tensor] = []
+    compute_logits = model.compute_logits
+
+    def recorded(out: torch.Tensor) -> torch.Tensor:
+        logits.append(compute_logits(out))
+        return logits[-1]
+
+    model.compute_logits = recorded  # type: ignore[method-assign]
     got = greedy_drafts(model, padded, hidden, ids, MTPCall(*torch.cat([real, pad]).T), k)
     assert torch.equal(got[:b], want)
+    # The padding rows' drafts come from finite logits (argmax would pick a NaN too), and are tokens.
+    assert len(logits) == k and all(step[b:].isfinite().all() for step in logits)
+    assert ((got[b:] >= 0) & (got[b:] < model.config.vocab_size)).all()
     for a, p in zip(alone.keys + alone.values, padded.keys + padded.values, strict=True):
         # The scratch row aside; a batch of other rows rounds the projections differently.
         torch.testing.assert_close(a[:-1], p[:-1], rtol=0, atol=1e-12)
+
+
+def test_pack_makes_one_host_to_device_copy_of_ids_and_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pack` hands ids and the call table to the device in one `to_device` (pinned, asynchronous
+    on CUDA); their values are each row's left-padded tokens and (end, count, lo, cache row)."""
+    model = _model(tmp_path, ("full_attention", "mlp"), torch.float32)
+    proposer = MTPProposer(model, HiddenStore())
+    copies: list[torch.Tensor] = []
+
+    def counted(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        copies.append(host)
+        return host.to(device)
+
+    monkeypatch.setattr(mtp_module, "to_device", counted)
+    run = (3, torch.randn(10, model.config.hidden_size))
+    tokens = list(range(20, 40))
+    # Positions 5..8 (4 of them) and 11..12 (2, left-padded); lo 2 and 0, cache rows 1 and 3.
+    hidden, ids, call = proposer.pack([(tokens, run, 5, 8, 2, 1), (tokens, run, 11, 12, 0, 3)], width=4)
+    assert len(copies) == 1
+    assert ids.tolist() == [[26, 27, 28, 29], [0, 0, 32, 33]]
+    assert call.tolist() == [[8, 12], [4, 2], [2, 0], [1, 3]]
+    torch.testing.assert_close(hidden[0], run[1][2:6], rtol=0, atol=0)
+    torch.testing.assert_close(hidden[1, 2:], run[1][8:10], rtol=0, atol=0)
+    assert not hidden[1, :2].any()
+    batch = _batches(model, proposer.store, torch.float32)[0]
+    copies.clear()
+    proposer.propose_batch(batch)
+    assert 1 <= len(copies) <= 2  # the draft call, and a cache-only call for rows with more positions
