@@ -69,10 +69,11 @@ class TopkRouter(nn.Module):
         experts in blocks of `block_m` (``align_by_expert``). Decode-sized batches take one launch
         for the logits, the routing and the alignment (``logits_route_align_triton``)."""
         from replayserve.ops import moe_route_triton as route
+        from replayserve.ops.moe_align_triton import ALIGN_IN_ONE_PROGRAM
 
         num_tokens = x.shape[0]
         if (self.weight.dtype == torch.float32 and 0 < num_tokens <= ROUTER_KERNEL_MAX_TOKENS
-                and num_tokens * (self.top_k + always) <= route.ALIGN_IN_ONE_PROGRAM):
+                and num_tokens * (self.top_k + always) <= ALIGN_IN_ONE_PROGRAM):
             arrivals = self._arrivals.get(x.device)
             if arrivals is None:  # made on the first (eager, warm-up) call, outside any graph capture
                 arrivals = self._arrivals[x.device] = route.arrivals_counter(x.device)

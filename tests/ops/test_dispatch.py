@@ -113,7 +113,8 @@ def test_only_ops_picks_a_kernel() -> None:
     importers = {str(path.relative_to(ROOT)): found for path in sorted(ROOT.rglob("*.py"))
                  if path.parent.name != "ops" and (found := _kernel_imports(path.read_text()))}
     assert importers == {
-        "layers/mlp.py": {"replayserve.ops.moe_triton", "replayserve.ops.moe_route_triton"},
+        "layers/mlp.py": {"replayserve.ops.moe_triton", "replayserve.ops.moe_route_triton",
+                          "replayserve.ops.moe_align_triton"},
         "layers/granite_ffn.py": {"replayserve.ops.moe_triton", "replayserve.ops.moe_softmax_route_triton"},
         "layers/qwen_moe.py": {"replayserve.ops.moe_triton", "replayserve.ops.moe_softmax_route_triton"},
         "layers/mamba2.py": {"replayserve.ops.gemv_triton"},
