@@ -12,8 +12,7 @@ from replayserve.config import ModelConfig
 from replayserve.layers.linear import Linear
 from replayserve.layers.stacked import StackedProjection
 from replayserve.ops.activation import silu_mul
-from replayserve.ops.dispatch import use_triton
-from replayserve.ops.moe import fused_moe_ref, softmax_topk_route_ref
+from replayserve.ops.moe_softmax import softmax_moe
 
 
 class SharedMLP(nn.Module):
@@ -66,22 +65,11 @@ class SoftmaxMoE(nn.Module):
             self.forward(x[:n])
 
     def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-        """x (T, hidden) -> (T, hidden), plus `add` (the shared MLP's output) when given. On CUDA the
-        grouped-GEMM Triton experts (`ops.moe_triton`, silu(gate) * up in the up GEMM's epilogue, `add`
-        summed in the same kernel; no host sync, CUDA-graph safe); elsewhere the per-expert reference."""
+        """x (T, hidden) -> (T, hidden), plus `add` (the shared MLP's output) when given:
+        `ops.moe_softmax.softmax_moe` (on CUDA the grouped-GEMM Triton experts, `add` summed in their
+        last kernel, CUDA-graph safe; elsewhere the per-expert reference)."""
         logits = F.linear(x, self.router.layer.weight)  # in x's dtype, as transformers computes them
-        w_up, w_down = self.input_linear.weight, self.output_linear.weight
-        if use_triton(x):  # the routing and alignment in one launch for decode steps, then the grouped GEMMs
-            from replayserve.ops.moe_softmax_route_triton import softmax_route_align_triton
-            from replayserve.ops.moe_triton import default_config, fused_moe_triton
-
-            config = default_config(x.shape[0] * self.top_k, w_up.shape[0])
-            ids, weights, aligned = softmax_route_align_triton(logits, self.top_k, config.block_m, x.dtype)
-            return fused_moe_triton(x, w_up, w_down, ids, weights, add=add, config=config, aligned=aligned,
-                                    swiglu=True)
-        ids, weights = softmax_topk_route_ref(logits, self.top_k)
-        routed = fused_moe_ref(x, w_up, w_down, ids, weights.to(x.dtype), swiglu=True)
-        return routed if add is None else routed + add
+        return softmax_moe(x, logits, self.input_linear.weight, self.output_linear.weight, self.top_k, add=add)
 
 
 class SwiGLUMLP(nn.Module):

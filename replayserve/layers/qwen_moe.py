@@ -21,8 +21,8 @@ from replayserve.layers.granite_ffn import SwiGLUMLP
 from replayserve.layers.linear import Linear
 from replayserve.layers.stacked import StackedProjection
 from replayserve.ops.activation import silu_mul
-from replayserve.ops.dispatch import use_triton
-from replayserve.ops.moe import fused_moe_ref, softmax_all_topk_route_ref
+from replayserve.ops.moe import softmax_all_topk_route_ref
+from replayserve.ops.moe_softmax import softmax_moe
 
 
 class SparseMoeBlock(nn.Module):
@@ -85,29 +85,19 @@ class SparseMoeBlock(nn.Module):
             self.forward(x[:n])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, hidden) -> (T, hidden). With the experts stacked: on CUDA the routing and its
-        alignment (one launch up to 32 tokens) and the grouped-GEMM SwiGLU experts
-        (`ops.moe_triton`), the gated shared expert summed in their last kernel; no host sync, so
-        CUDA graphs capture it. Elsewhere the references (`ops.moe`), and experts that could not
-        stack run one by one."""
+        """x (T, hidden) -> (T, hidden). With the experts stacked, `ops.moe_softmax.softmax_moe` (on
+        CUDA the routing kernels and the grouped-GEMM SwiGLU experts, the gated shared expert summed
+        in their last kernel, CUDA-graph safe; elsewhere the references); experts that could not
+        stack (FP8 ones) run one by one after the reference routing, with a host sync."""
         projections = (self._inputs or StackedProjection(self.gate, self.shared_expert_gate,
                                                          self.shared_expert.gate_proj, self.shared_expert.up_proj))
         logits, shared_gate, gate, up = projections(x)  # the logits in x's dtype, as transformers computes them
         shared = torch.sigmoid(shared_gate) * self.shared_expert.down_proj(silu_mul(gate, up))
         stacks = self.expert_stacks()
-        if stacks is not None and use_triton(x):
-            from replayserve.ops.moe_softmax_route_triton import softmax_route_align_triton
-            from replayserve.ops.moe_triton import default_config, fused_moe_triton
-
-            config = default_config(x.shape[0] * self.top_k, stacks[0].shape[0])
-            ids, weights, aligned = softmax_route_align_triton(logits, self.top_k, config.block_m, x.dtype,
-                                                               renormalize=self.norm_topk_prob)
-            return fused_moe_triton(x, *stacks, ids, weights, add=shared, config=config, aligned=aligned,
-                                    swiglu=True)
+        if stacks is not None:
+            return softmax_moe(x, logits, *stacks, self.top_k, self.norm_topk_prob, add=shared, softmax_first=True)
         ids, weights = softmax_all_topk_route_ref(logits, self.top_k, self.norm_topk_prob)
         weights = weights.to(x.dtype)
-        if stacks is not None:
-            return fused_moe_ref(x, *stacks, ids, weights, swiglu=True) + shared
         routed = torch.zeros_like(x)
         for e in ids.unique().tolist():
             token, slot = torch.where(ids == e)
