@@ -54,16 +54,6 @@ class SoftmaxMoE(nn.Module):
         self.input_linear = ExpertWeights(num, 2 * inner, cfg.hidden_size)
         self.output_linear = ExpertWeights(num, cfg.hidden_size, inner)
 
-    @torch.no_grad()
-    def warm_up(self, max_tokens: int, dtype: torch.dtype) -> None:
-        """The forward on zeros at every token count from 1 to `max_tokens` (startup warm-up: the
-        alignment's and the GEMM tiles' kernel variants follow the count, as `layers.mlp.MoE.warm_up`
-        says), outputs dropped. dtype: the model's activations' (the runner's)."""
-        weight = self.router.layer.weight
-        x = torch.zeros(max_tokens, weight.shape[1], dtype=dtype, device=weight.device)
-        for n in range(1, max_tokens + 1):
-            self.forward(x[:n])
-
     def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden), plus `add` (the shared MLP's output) when given:
         `ops.moe_softmax.softmax_moe` (on CUDA the grouped-GEMM Triton experts, `add` summed in their

@@ -19,7 +19,7 @@ from torch import nn
 from replayserve.config import ModelConfig
 from replayserve.layers.granite_ffn import SwiGLUMLP
 from replayserve.layers.linear import Linear
-from replayserve.layers.stacked import StackedProjection
+from replayserve.layers.stacked import StackedProjection, stack_as_views_, stackable
 from replayserve.ops.activation import silu_mul
 from replayserve.ops.moe import softmax_all_topk_route_ref
 from replayserve.ops.moe_softmax import softmax_moe
@@ -46,20 +46,15 @@ class SparseMoeBlock(nn.Module):
         self._inputs = StackedProjection(self.gate, self.shared_expert_gate, self.shared_expert.gate_proj,
                                          self.shared_expert.up_proj)
         self._inputs.stack_()
-        linears = [getattr(m, p) for m in self.experts for p in ("gate_proj", "up_proj", "down_proj")]
-        weights = [m.weight for m in linears]
-        if (not all(type(m) is Linear for m in linears) or len({(w.dtype, w.device) for w in weights}) != 1
-                or weights[0].is_meta):
+        # Expert e's gate rows then its up rows, expert after expert: the (E, 2I, W) stack by rows.
+        gate_ups = [proj for m in self.experts for proj in (m.gate_proj, m.up_proj)]
+        downs = [m.down_proj for m in self.experts]
+        up, down = gate_ups[0].weight, downs[0].weight
+        if not (stackable(gate_ups) and stackable(downs)) or (up.dtype, up.device) != (down.dtype, down.device):
             return
-        inner, width = weights[0].shape
-        w_up = weights[0].new_empty(len(self.experts), 2 * inner, width)
-        w_down = weights[0].new_empty(len(self.experts), width, inner)
-        with torch.no_grad():  # each weight copied in, its old storage freed: the layer's experts twice at most
-            for e, m in enumerate(self.experts):
-                for part, linear in ((w_up[e, :inner], m.gate_proj), (w_up[e, inner:], m.up_proj),
-                                     (w_down[e], m.down_proj)):
-                    part.copy_(linear.weight)
-                    linear.weight.data = part
+        inner, width = up.shape
+        w_up = stack_as_views_([m.weight for m in gate_ups]).view(len(self.experts), 2 * inner, width)
+        w_down = stack_as_views_([m.weight for m in downs]).view(len(self.experts), width, inner)
         self._experts = (w_up, w_down)
 
     def expert_stacks(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -73,16 +68,6 @@ class SparseMoeBlock(nn.Module):
                 or self.experts[-1].down_proj.weight.data_ptr() != w_down[-1].data_ptr()):
             return None
         return self._experts
-
-    @torch.no_grad()
-    def warm_up(self, max_tokens: int, dtype: torch.dtype) -> None:
-        """The forward on zeros at every token count from 1 to `max_tokens` (startup warm-up: the
-        routing's, the alignment's and the GEMM tiles' kernel variants follow the count, as
-        `layers.mlp.MoE.warm_up` says), outputs dropped. dtype: the model's activations'."""
-        weight = self.gate.weight
-        x = torch.zeros(max_tokens, weight.shape[1], dtype=dtype, device=weight.device)
-        for n in range(1, max_tokens + 1):
-            self.forward(x[:n])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden). With the experts stacked, `ops.moe_softmax.softmax_moe` (on
