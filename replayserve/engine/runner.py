@@ -117,16 +117,26 @@ class Runner:
 
     @torch.inference_mode()
     def prepare_for_serving(self) -> tuple[tuple[int, int], ...]:
-        """What a few dummy steps cannot reach, before serving: each distinct MoE layer at every token
-        count a step can have (`MoE.warm_up`), then the decode graph of every (batch size, width) a
-        step can take (`DecodeGraphs.prepare_all`). Returns those shapes (none without the
-        fixed-shape decode path)."""
+        """What a few dummy steps cannot reach, before serving: each distinct MoE layer (Nemotron-H's,
+        Granite 4.0-H's, the Qwen MoEs') run on zeros at every token count a step can have, outputs
+        dropped, so that on CUDA each count's launches compile their kernel variants now; then the
+        decode graph of every (batch size, width) a step can take (`DecodeGraphs.prepare_all`).
+        Returns those shapes (none without the fixed-shape decode path).
+
+        No short list of counts would do: the routing's tiles follow the count's power of two, the
+        alignment's the pairs' (top_k, plus Nemotron-H's folded shared expert up to
+        FOLD_SHARED_MAX_TOKENS tokens), the GEMM tiles the pairs per expert."""
+        max_tokens = self.config.max_num_batched_tokens
+        x = torch.zeros(max_tokens, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
         swept: set[tuple] = set()
         for moe in (m for m in self.model.modules() if isinstance(m, MoE | SoftmaxMoE | SparseMoeBlock)):
             shapes = tuple((p.shape, p.dtype) for p in moe.parameters())
             if shapes not in swept:  # layers of one shape launch the same kernel variants
                 swept.add(shapes)
-                moe.warm_up(self.config.max_num_batched_tokens, self.dtype)
+                for n in range(1, max_tokens + 1):
+                    # `forward`, not a call: under tensor parallelism a hook all-reduces the layer's
+                    # output, and this runs on each rank alone.
+                    moe.forward(x[:n])
         return self.graphs.prepare_all() if self.graphs is not None else ()
 
     def _restore_windows(self, windows: dict[int, torch.Tensor]) -> None:

@@ -12,8 +12,7 @@ from replayserve.config import ModelConfig
 from replayserve.layers.linear import Linear
 from replayserve.layers.stacked import StackedProjection
 from replayserve.ops.activation import silu_mul
-from replayserve.ops.dispatch import use_triton
-from replayserve.ops.moe import fused_moe_ref, softmax_topk_route_ref
+from replayserve.ops.moe_softmax import softmax_moe
 
 
 class SharedMLP(nn.Module):
@@ -55,33 +54,12 @@ class SoftmaxMoE(nn.Module):
         self.input_linear = ExpertWeights(num, 2 * inner, cfg.hidden_size)
         self.output_linear = ExpertWeights(num, cfg.hidden_size, inner)
 
-    @torch.no_grad()
-    def warm_up(self, max_tokens: int, dtype: torch.dtype) -> None:
-        """The forward on zeros at every token count from 1 to `max_tokens` (startup warm-up: the
-        alignment's and the GEMM tiles' kernel variants follow the count, as `layers.mlp.MoE.warm_up`
-        says), outputs dropped. dtype: the model's activations' (the runner's)."""
-        weight = self.router.layer.weight
-        x = torch.zeros(max_tokens, weight.shape[1], dtype=dtype, device=weight.device)
-        for n in range(1, max_tokens + 1):
-            self.forward(x[:n])
-
     def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-        """x (T, hidden) -> (T, hidden), plus `add` (the shared MLP's output) when given. On CUDA the
-        grouped-GEMM Triton experts (`ops.moe_triton`, silu(gate) * up in the up GEMM's epilogue, `add`
-        summed in the same kernel; no host sync, CUDA-graph safe); elsewhere the per-expert reference."""
+        """x (T, hidden) -> (T, hidden), plus `add` (the shared MLP's output) when given:
+        `ops.moe_softmax.softmax_moe` (on CUDA the grouped-GEMM Triton experts, `add` summed in their
+        last kernel, CUDA-graph safe; elsewhere the per-expert reference)."""
         logits = F.linear(x, self.router.layer.weight)  # in x's dtype, as transformers computes them
-        w_up, w_down = self.input_linear.weight, self.output_linear.weight
-        if use_triton(x):  # the routing and alignment in one launch for decode steps, then the grouped GEMMs
-            from replayserve.ops.moe_softmax_route_triton import softmax_route_align_triton
-            from replayserve.ops.moe_triton import default_config, fused_moe_triton
-
-            config = default_config(x.shape[0] * self.top_k, w_up.shape[0])
-            ids, weights, aligned = softmax_route_align_triton(logits, self.top_k, config.block_m, x.dtype)
-            return fused_moe_triton(x, w_up, w_down, ids, weights, add=add, config=config, aligned=aligned,
-                                    swiglu=True)
-        ids, weights = softmax_topk_route_ref(logits, self.top_k)
-        routed = fused_moe_ref(x, w_up, w_down, ids, weights.to(x.dtype), swiglu=True)
-        return routed if add is None else routed + add
+        return softmax_moe(x, logits, self.input_linear.weight, self.output_linear.weight, self.top_k, add=add)
 
 
 class SwiGLUMLP(nn.Module):

@@ -8,6 +8,7 @@ from torch import nn
 from replayserve.config import ModelConfig
 from replayserve.layers.fp8_linear import FP8Linear
 from replayserve.layers.linear import Linear
+from replayserve.layers.stacked import stack_as_views_
 from replayserve.ops.activation import relu_square
 from replayserve.ops.dispatch import use_triton
 from replayserve.ops.moe import ROUTER_KERNEL_MAX_TOKENS, fused_moe_ref, router_logits, topk_route
@@ -69,10 +70,11 @@ class TopkRouter(nn.Module):
         experts in blocks of `block_m` (``align_by_expert``). Decode-sized batches take one launch
         for the logits, the routing and the alignment (``logits_route_align_triton``)."""
         from replayserve.ops import moe_route_triton as route
+        from replayserve.ops.moe_align_triton import ALIGN_IN_ONE_PROGRAM
 
         num_tokens = x.shape[0]
         if (self.weight.dtype == torch.float32 and 0 < num_tokens <= ROUTER_KERNEL_MAX_TOKENS
-                and num_tokens * (self.top_k + always) <= route.ALIGN_IN_ONE_PROGRAM):
+                and num_tokens * (self.top_k + always) <= ALIGN_IN_ONE_PROGRAM):
             arrivals = self._arrivals.get(x.device)
             if arrivals is None:  # made on the first (eager, warm-up) call, outside any graph capture
                 arrivals = self._arrivals[x.device] = route.arrivals_counter(x.device)
@@ -134,24 +136,12 @@ class MoE(nn.Module):
             raise ValueError(f"the routed experts' weights must share one dtype to be stacked, got "
                              f"{sorted({str(w.dtype) for w in ups + downs})}")
         inner, width = ups[0].shape
-        with torch.no_grad():
-            up_parts = [p.detach() for p in ups]
-            down_parts = [p.detach() for p in downs]
-            if folded:
-                up_parts += list(self.shared_experts.up_proj.weight.detach().view(folded, inner, width))
-                down_parts += list(self.shared_experts.down_proj.weight.detach().view(width, folded, inner)
-                                   .permute(1, 0, 2))
-            w_up = torch.stack(up_parts)
-            w_down = torch.stack(down_parts, dim=1).permute(1, 0, 2)  # (E + S, W, I) of a (W, E + S, I) store
-            for e, p in enumerate(ups):
-                p.data = w_up[e]
-            for e, p in enumerate(downs):
-                p.data = w_down[e]
-            if folded:
-                self.shared_experts.up_proj.weight.data = w_up[num:].reshape(folded * inner, width)
-                self.shared_experts.down_proj.weight.data = w_down[num:].permute(1, 0, 2).reshape(
-                    width, folded * inner)
-            self._scales = self._stack_scales() if isinstance(self.experts[0].up_proj, FP8Linear) else None
+        if folded:  # the shared expert's (S * I, W) up rows and (W, S * I) down columns: S experts' worth
+            ups, downs = ups + [self.shared_experts.up_proj.weight], downs + [self.shared_experts.down_proj.weight]
+        w_up = stack_as_views_(ups).view(num + folded, inner, width)
+        # (E + S, W, I) of a (W, E + S, I) store, stacked by columns
+        w_down = stack_as_views_(downs, dim=1).view(width, num + folded, inner).permute(1, 0, 2)
+        self._scales = self._stack_scales() if isinstance(self.experts[0].up_proj, FP8Linear) else None
         self._stacked = (w_up, w_down)
         return self._stacked
 
@@ -177,20 +167,6 @@ class MoE(nn.Module):
             return None
         up, down = self._scales
         return up[:count], down[:count]
-
-    @torch.no_grad()
-    def warm_up(self, max_tokens: int, dtype: torch.dtype) -> None:
-        """Runs the forward on zeros at every token count from 1 to `max_tokens`, dropping the
-        outputs (startup warm-up): on CUDA each count's launches compile their kernel variants now.
-        No short list of counts would do: the routing's tiles follow the count's power of two, the
-        alignment's the pairs' (top_k, plus the folded shared expert up to FOLD_SHARED_MAX_TOKENS
-        tokens), the GEMM tiles the pairs per expert. `forward`, not a call: under tensor
-        parallelism a hook all-reduces the layer's output, and this runs on each rank alone.
-        dtype: the model's activations' (FP8 experts' weights do not tell it)."""
-        weight = self.gate.weight
-        x = torch.zeros(max_tokens, weight.shape[1], dtype=dtype, device=weight.device)
-        for n in range(1, max_tokens + 1):
-            self.forward(x[:n])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden). On CUDA (fp32, bf16, fp16) the routed experts run as Triton

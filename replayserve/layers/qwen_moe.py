@@ -19,10 +19,10 @@ from torch import nn
 from replayserve.config import ModelConfig
 from replayserve.layers.granite_ffn import SwiGLUMLP
 from replayserve.layers.linear import Linear
-from replayserve.layers.stacked import StackedProjection
+from replayserve.layers.stacked import StackedProjection, stack_as_views_, stackable
 from replayserve.ops.activation import silu_mul
-from replayserve.ops.dispatch import use_triton
-from replayserve.ops.moe import fused_moe_ref, softmax_all_topk_route_ref
+from replayserve.ops.moe import softmax_all_topk_route_ref
+from replayserve.ops.moe_softmax import softmax_moe
 
 
 class SparseMoeBlock(nn.Module):
@@ -46,20 +46,15 @@ class SparseMoeBlock(nn.Module):
         self._inputs = StackedProjection(self.gate, self.shared_expert_gate, self.shared_expert.gate_proj,
                                          self.shared_expert.up_proj)
         self._inputs.stack_()
-        linears = [getattr(m, p) for m in self.experts for p in ("gate_proj", "up_proj", "down_proj")]
-        weights = [m.weight for m in linears]
-        if (not all(type(m) is Linear for m in linears) or len({(w.dtype, w.device) for w in weights}) != 1
-                or weights[0].is_meta):
+        # Expert e's gate rows then its up rows, expert after expert: the (E, 2I, W) stack by rows.
+        gate_ups = [proj for m in self.experts for proj in (m.gate_proj, m.up_proj)]
+        downs = [m.down_proj for m in self.experts]
+        up, down = gate_ups[0].weight, downs[0].weight
+        if not (stackable(gate_ups) and stackable(downs)) or (up.dtype, up.device) != (down.dtype, down.device):
             return
-        inner, width = weights[0].shape
-        w_up = weights[0].new_empty(len(self.experts), 2 * inner, width)
-        w_down = weights[0].new_empty(len(self.experts), width, inner)
-        with torch.no_grad():  # each weight copied in, its old storage freed: the layer's experts twice at most
-            for e, m in enumerate(self.experts):
-                for part, linear in ((w_up[e, :inner], m.gate_proj), (w_up[e, inner:], m.up_proj),
-                                     (w_down[e], m.down_proj)):
-                    part.copy_(linear.weight)
-                    linear.weight.data = part
+        inner, width = up.shape
+        w_up = stack_as_views_([m.weight for m in gate_ups]).view(len(self.experts), 2 * inner, width)
+        w_down = stack_as_views_([m.weight for m in downs]).view(len(self.experts), width, inner)
         self._experts = (w_up, w_down)
 
     def expert_stacks(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -74,40 +69,20 @@ class SparseMoeBlock(nn.Module):
             return None
         return self._experts
 
-    @torch.no_grad()
-    def warm_up(self, max_tokens: int, dtype: torch.dtype) -> None:
-        """The forward on zeros at every token count from 1 to `max_tokens` (startup warm-up: the
-        routing's, the alignment's and the GEMM tiles' kernel variants follow the count, as
-        `layers.mlp.MoE.warm_up` says), outputs dropped. dtype: the model's activations'."""
-        weight = self.gate.weight
-        x = torch.zeros(max_tokens, weight.shape[1], dtype=dtype, device=weight.device)
-        for n in range(1, max_tokens + 1):
-            self.forward(x[:n])
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, hidden) -> (T, hidden). With the experts stacked: on CUDA the routing and its
-        alignment (one launch up to 32 tokens) and the grouped-GEMM SwiGLU experts
-        (`ops.moe_triton`), the gated shared expert summed in their last kernel; no host sync, so
-        CUDA graphs capture it. Elsewhere the references (`ops.moe`), and experts that could not
-        stack run one by one."""
+        """x (T, hidden) -> (T, hidden). With the experts stacked, `ops.moe_softmax.softmax_moe` (on
+        CUDA the routing kernels and the grouped-GEMM SwiGLU experts, the gated shared expert summed
+        in their last kernel, CUDA-graph safe; elsewhere the references); experts that could not
+        stack (FP8 ones) run one by one after the reference routing, with a host sync."""
         projections = (self._inputs or StackedProjection(self.gate, self.shared_expert_gate,
                                                          self.shared_expert.gate_proj, self.shared_expert.up_proj))
         logits, shared_gate, gate, up = projections(x)  # the logits in x's dtype, as transformers computes them
         shared = torch.sigmoid(shared_gate) * self.shared_expert.down_proj(silu_mul(gate, up))
         stacks = self.expert_stacks()
-        if stacks is not None and use_triton(x):
-            from replayserve.ops.moe_softmax_route_triton import softmax_route_align_triton
-            from replayserve.ops.moe_triton import default_config, fused_moe_triton
-
-            config = default_config(x.shape[0] * self.top_k, stacks[0].shape[0])
-            ids, weights, aligned = softmax_route_align_triton(logits, self.top_k, config.block_m, x.dtype,
-                                                               renormalize=self.norm_topk_prob)
-            return fused_moe_triton(x, *stacks, ids, weights, add=shared, config=config, aligned=aligned,
-                                    swiglu=True)
+        if stacks is not None:
+            return softmax_moe(x, logits, *stacks, self.top_k, self.norm_topk_prob, add=shared, softmax_first=True)
         ids, weights = softmax_all_topk_route_ref(logits, self.top_k, self.norm_topk_prob)
         weights = weights.to(x.dtype)
-        if stacks is not None:
-            return fused_moe_ref(x, *stacks, ids, weights, swiglu=True) + shared
         routed = torch.zeros_like(x)
         for e in ids.unique().tolist():
             token, slot = torch.where(ids == e)

@@ -1,6 +1,8 @@
-"""Linears over one input run as one projection: their weights become row slices of one stacked
-tensor, so a step launches one GEMV (or GEMM) where it launched one per Linear (attention's q, k and
-v; a SwiGLU MLP's gate and up).
+"""Tensors made views of one stack (`stack_as_views_`), and with it Linears over one input run as one
+projection (`StackedProjection`): their weights become row slices of one stacked tensor, so a step
+launches one GEMV (or GEMM) where it launched one per Linear (attention's q, k and v; a SwiGLU MLP's
+gate and up). The MoE layers stack their experts' weights with the same primitive, for the grouped
+GEMM (`layers.mlp.MoE.stacked_experts`, `layers.qwen_moe.SparseMoeBlock`).
 
 Each Linear keeps its own parameter under its checkpoint name, a view of the stack: the state dict,
 tensor-parallel slicing and in-place loads see the Linears as before. The stack is made once, when
@@ -12,11 +14,38 @@ Linears one by one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor, nn
 
 from replayserve.layers.linear import Linear
 from replayserve.ops.gemv import linear
+
+
+def stack_as_views_(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
+    """Concatenates `tensors` (parameters or buffers of one dtype and device, equal but for `dim`)
+    along `dim` into one new tensor, and makes each of them a view of its slice (`.data` rebound:
+    a module keeps its parameter under its name, and an in-place load lands in the stack). Each old
+    storage is freed once nothing else holds it: the tensors' memory twice at most, while copying.
+    Returns the stack."""
+    with torch.no_grad():
+        stack = torch.cat([t.detach() for t in tensors], dim=dim)
+        start = 0
+        for t in tensors:
+            size = t.shape[dim]
+            t.data = stack.narrow(dim, start, size)
+            start += size
+    return stack
+
+
+def stackable(linears: Sequence[nn.Module]) -> bool:
+    """Whether `stack_as_views_` may stack these Linears' weights (and biases) by rows: all plain
+    `Linear`s (FP8 ones keep per-tensor scales), materialized, of one dtype, device and input width,
+    with biases on all or none."""
+    weights = [m.weight for m in linears]
+    return (all(type(m) is Linear for m in linears) and len({(w.dtype, w.device, w.shape[1]) for w in weights}) == 1
+            and not weights[0].is_meta and len({m.bias is None for m in linears}) == 1)
 
 
 class StackedProjection:
@@ -29,22 +58,11 @@ class StackedProjection:
 
     def stack_(self) -> bool:
         """Makes every Linear's weight (and bias) a view of one (sum of outputs, in) tensor; False,
-        and nothing changed, where they cannot stack: not all plain `Linear`s (FP8 ones keep per-tensor
-        scales), of one dtype, device and input width, with biases on all or none."""
-        weights = [m.weight for m in self.linears]
-        biases = [m.bias for m in self.linears]
-        if (not all(type(m) is Linear for m in self.linears) or len({(w.dtype, w.device, w.shape[1]) for w in weights})
-                != 1 or weights[0].is_meta or len({b is None for b in biases}) != 1):
+        and nothing changed, where they cannot (``stackable``)."""
+        if not stackable(self.linears):
             return False
-        with torch.no_grad():
-            weight = torch.cat([w.detach() for w in weights])
-            bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-            start = 0
-            for m, size in zip(self.linears, self.sizes, strict=True):
-                m.weight.data = weight[start : start + size]
-                if bias is not None:
-                    m.bias.data = bias[start : start + size]
-                start += size
+        weight = stack_as_views_([m.weight for m in self.linears])
+        bias = None if self.linears[0].bias is None else stack_as_views_([m.bias for m in self.linears])
         self._stack = (weight, bias)
         return True
 

@@ -1,4 +1,4 @@
-"""Nemotron-H's routed experts in plain PyTorch: the oracles of ``moe_triton`` and ``moe_route_triton``.
+"""The routed experts in plain PyTorch: the oracles of ``moe_triton`` and the routing kernels.
 
 ``router_logits_ref`` and ``topk_route_ref`` turn a token into its experts and weights, as
 ``softmax_topk_route_ref`` (Granite 4.0-H) and ``softmax_all_topk_route_ref`` (the Qwen MoEs) do;
@@ -6,8 +6,11 @@
 their outputs per token; FP8 experts (float8_e4m3fn stacks with one scale per expert, as ModelOpt
 stores each expert's projections) are dequantized as they are used, then run the same way. The
 expert loop asks the host which experts are in use (a sync): the Triton path does not.
-``router_logits`` and ``topk_route`` are the routing's entry points (``dispatch.use_triton``); the
-grouped-GEMM path is the MoE layer's own composition.
+``router_logits`` and ``topk_route`` are Nemotron-H's routing's entry points (``dispatch.use_triton``);
+its grouped-GEMM path is its MoE layer's own composition (``layers.mlp.MoE``: the shared expert
+folded in, FP8 experts, the one-launch logits and routing). Granite 4.0-H's and the Qwen MoEs'
+routed experts have one entry point, ``moe_softmax.softmax_moe`` (not here: the kernel modules
+import this one).
 """
 
 from __future__ import annotations
@@ -187,3 +190,4 @@ def fused_moe_ref(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weights:
         out = F.linear(inner, down) * weights[token, k, None]
         routed.index_add_(0, token, out.to(routed.dtype))
     return routed
+

@@ -7,10 +7,7 @@ alone (T tokens, top_k, E experts), so routing can be captured in a CUDA graph:
    in the kernel (cuBLAS would take a cast kernel, a dot and a reduction: three launches).
 2. ``topk_route_triton``: fp32 logits to top_k expert ids and weights (sigmoid, bias-corrected
    group-limited choice, normalisation, scaling), a block of tokens per program.
-3. ``align_by_expert``: the T * top_k (token, k) pairs sorted by expert (stably: by pair index
-   within an expert), each expert's run padded to a multiple of BLOCK_M, in a buffer of the largest
-   padded size the shapes allow; padding entries hold T * top_k and are masked. One Triton program
-   does it for decode-sized batches; larger ones take a few sync-free PyTorch ops.
+3. ``align_by_expert`` (``moe_align_triton``): the pairs grouped by expert for the grouped GEMM.
 4. ``route_and_align_triton``: 2 and 3 in one program for decode-sized batches.
 
 At one token of Nemotron-3-Nano's MoE layer (H200) the separate kernels took 3.6 (cast) + 4.3
@@ -24,9 +21,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# At most this many (token, k) pairs are aligned by one program (decode steps: one launch instead
-# of about 15); it walks the pairs in chunks, so larger batches take the PyTorch ops. Untuned.
-ALIGN_IN_ONE_PROGRAM = 1024
+from replayserve.ops.moe_align_triton import (
+    ALIGN_IN_ONE_PROGRAM,
+    align_by_expert,
+    align_meta,
+    align_pairs,
+    alignment_buffers,
+)
+
 # Tokens one program routes: a (tokens, groups, experts per group) tile of fp32 lives in registers.
 _ROUTE_TOKENS_PER_PROGRAM = 32
 
@@ -112,41 +114,6 @@ def _route_tokens(
         tl.store(weights_ptr + at, tl.full([tok.shape[0], BLOCK_S], 1.0, tl.float32), mask=on)
 
 
-@triton.jit
-def _align_pairs(
-    ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_blocks,
-    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    experts = tl.arange(0, BLOCK_E)
-    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for start in range(0, num_pairs, BLOCK_N):
-        offs = start + tl.arange(0, BLOCK_N)
-        e = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
-        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    padded_end = tl.cumsum(padded, axis=0)
-    padded_start = padded_end - padded
-    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
-    # A block's expert is the number of experts whose padded run ends at or before the block starts.
-    for b0 in range(0, num_blocks, BLOCK_N):
-        b = b0 + tl.arange(0, BLOCK_N)
-        owner = tl.sum((padded_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + b, owner, mask=b < num_blocks)
-    for p0 in range(0, num_blocks * BLOCK_M, BLOCK_N):
-        p = p0 + tl.arange(0, BLOCK_N)
-        tl.store(sorted_ptr + p, tl.full([BLOCK_N], 0, tl.int32) + num_pairs, mask=p < num_blocks * BLOCK_M)
-    tl.debug_barrier()  # the padding is written before the pairs overwrite their places
-    seen = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for start in range(0, num_pairs, BLOCK_N):
-        offs = start + tl.arange(0, BLOCK_N)
-        e = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
-        onehot = (e[:, None] == experts[None, :]).to(tl.int32)
-        earlier = tl.cumsum(onehot, axis=0) - onehot  # pairs of this chunk before this one, same expert
-        place = tl.sum(onehot * (earlier + (padded_start + seen)[None, :]), axis=1)
-        tl.store(sorted_ptr + place, offs, mask=offs < num_pairs)
-        seen += tl.sum(onehot, axis=0)
-
-
 # Token, pair and block counts change every step. Specialised on (== 1, divisible by 16) they would
 # compile a variant per kind of count mid-serving, for masks on gathered rows; the BLOCK_*
 # constants follow their powers of two.
@@ -162,15 +129,6 @@ def _route_kernel(
                   s_l_t, s_l_e, TOP_K, TOPK_GROUP, GROUPED, NORM, ALWAYS, BLOCK_S, BLOCK_G, BLOCK_J, BLOCK_K)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
-def _align_kernel(
-    ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_blocks,
-    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    _align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_blocks, BLOCK_M, BLOCK_E,
-                 BLOCK_N)
-
-
 @triton.jit(do_not_specialize=["num_tokens", "num_blocks"])
 def _route_align_kernel(
     logits_ptr, bias_ptr, ids_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
@@ -183,7 +141,7 @@ def _route_align_kernel(
     _route_tokens(logits_ptr, bias_ptr, ids_ptr, weights_ptr, tok, num_tokens, n_group, experts_per_group, scaling,
                   s_l_t, s_l_e, TOP_K, TOPK_GROUP, GROUPED, NORM, ALWAYS, BLOCK_S, BLOCK_G, BLOCK_J, BLOCK_K)
     tl.debug_barrier()  # every token's ids are stored before the alignment reads them
-    _align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_tokens * (TOP_K + ALWAYS), num_blocks,
+    align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_tokens * (TOP_K + ALWAYS), num_blocks,
                  BLOCK_M, BLOCK_E, BLOCK_N)
 
 
@@ -210,7 +168,7 @@ def _logits_route_align_kernel(
         _route_tokens(logits_ptr, bias_ptr, ids_ptr, weights_ptr, tok, num_tokens, n_group, experts_per_group, scaling,
                       num_experts, 1, TOP_K, TOPK_GROUP, GROUPED, NORM, ALWAYS, BLOCK_S, BLOCK_G, BLOCK_J, BLOCK_K)
         tl.debug_barrier()
-        _align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_tokens * (TOP_K + ALWAYS), num_blocks,
+        align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_tokens * (TOP_K + ALWAYS), num_blocks,
                      BLOCK_M, BLOCK_E, BLOCK_N)
 
 
@@ -283,70 +241,6 @@ def topk_route_triton(logits: Tensor, bias: Tensor, top_k: int, n_group: int, to
     return ids, weights
 
 
-def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """The most BLOCK_M-row blocks T * top_k = num_pairs pairs can need: each expert that gets a
-    pair pads its run by fewer than block_m rows."""
-    return triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
-
-
-def _alignment_buffers(num_pairs: int, num_experts: int, block_m: int, device: torch.device
-                       ) -> tuple[Tensor, Tensor, Tensor]:
-    blocks = max_blocks(num_pairs, num_experts, block_m)
-    return (torch.empty(blocks * block_m, dtype=torch.int32, device=device),
-            torch.empty(blocks, dtype=torch.int32, device=device), torch.empty(1, dtype=torch.int32, device=device))
-
-
-def _align_meta(num_experts: int, block_m: int, num_pairs: int) -> dict:
-    """BLOCK_N pairs (and blocks) a step: no more than the pairs, at most 8192 // BLOCK_E. H200,
-    Nano's 8 pairs over 130 experts in the one-program route + align: 15.2 us a graph replay with 8
-    pairs a step and 8 warps, against 24.2 us with 32 and 4 warps (2026-12-06)."""
-    block_e = triton.next_power_of_2(num_experts)
-    return dict(BLOCK_M=block_m, BLOCK_E=block_e,
-                BLOCK_N=max(8, min(triton.next_power_of_2(num_pairs), 8192 // block_e)))
-
-
-def align_by_expert(ids: Tensor, num_experts: int, block_m: int,
-                    one_program: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """The (token, k) pairs grouped by expert in padded blocks, without a host sync.
-
-    Arguments:
-        ids: (T, top_k) integer expert ids in [0, E).
-        num_experts: E.
-        block_m: rows per block; each expert's run is padded to a multiple of it.
-        one_program: the one-program Triton kernel (default: up to ALIGN_IN_ONE_PROGRAM pairs) or
-            PyTorch ops.
-
-    Returns:
-        sorted_pairs: (max_blocks * block_m,) int32 pair indices t * top_k + k, by expert then
-            pair; padding holds T * top_k.
-        block_expert: (max_blocks,) int32, the expert of each block; blocks past num_padded hold
-            any value and are skipped.
-        num_padded: (1,) int32, the padded length in use.
-    """
-    flat = ids.reshape(-1).to(torch.int32)
-    num_pairs, dev = flat.numel(), ids.device
-    if one_program is None:
-        one_program = num_pairs <= ALIGN_IN_ONE_PROGRAM
-    if one_program:
-        sorted_pairs, block_expert, num_padded = _alignment_buffers(num_pairs, num_experts, block_m, dev)
-        _align_kernel[(1,)](flat, sorted_pairs, block_expert, num_padded, num_pairs, block_expert.numel(),
-                            **_align_meta(num_experts, block_m, num_pairs), num_warps=4)
-        return sorted_pairs, block_expert, num_padded
-    blocks = max_blocks(num_pairs, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(
-        0, flat.long(), torch.ones(num_pairs, dtype=torch.int64, device=dev))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
-    by_expert, order = torch.sort(flat.long(), stable=True)
-    rank = torch.arange(num_pairs, device=dev) - (counts.cumsum(0) - counts).gather(0, by_expert)
-    place = (padded_end - padded).gather(0, by_expert) + rank
-    sorted_pairs = torch.full((blocks * block_m,), num_pairs, dtype=torch.int32, device=dev)
-    sorted_pairs.scatter_(0, place, order.to(torch.int32))
-    starts = torch.arange(blocks, device=dev) * block_m
-    block_expert = torch.searchsorted(padded_end, starts, right=True).to(torch.int32)
-    return sorted_pairs, block_expert, padded_end[-1:].to(torch.int32)
-
-
 def route_and_align_triton(logits: Tensor, bias: Tensor, top_k: int, n_group: int, topk_group: int,
                            norm_topk_prob: bool, scaling: float, block_m: int, always: int = 0
                            ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor]]:
@@ -364,12 +258,12 @@ def route_and_align_triton(logits: Tensor, bias: Tensor, top_k: int, n_group: in
         return ids, weights, align_by_expert(ids, num_experts + always, block_m)
     meta = _route_meta(logits, top_k, n_group, topk_group, norm_topk_prob, always)
     ids, weights = _route_buffers(num_tokens, top_k + always, logits.device)
-    aligned = _alignment_buffers(num_pairs, num_experts + always, block_m, logits.device)
+    aligned = alignment_buffers(num_pairs, num_experts + always, block_m, logits.device)
     block_t = triton.next_power_of_2(num_tokens)
     _route_align_kernel[(1,)](
         logits, bias, ids, weights, *aligned, num_tokens, n_group, num_experts // n_group, float(scaling),
         *logits.stride(), aligned[1].numel(), BLOCK_T=block_t, **meta,
-        **_align_meta(num_experts + always, block_m, num_pairs), num_warps=8)
+        **align_meta(num_experts + always, block_m, num_pairs), num_warps=8)
     return ids, weights, aligned
 
 
@@ -406,10 +300,10 @@ def logits_route_align_triton(x: Tensor, weight: Tensor, arrivals: Tensor, bias:
     logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)
     meta = _route_meta(logits, top_k, n_group, topk_group, norm_topk_prob, always)
     ids, weights = _route_buffers(num_tokens, top_k + always, x.device)
-    aligned = _alignment_buffers(num_pairs, num_experts + always, block_m, x.device)
+    aligned = alignment_buffers(num_pairs, num_experts + always, block_m, x.device)
     _logits_route_align_kernel[(num_experts,)](
         x, weight, logits, arrivals, bias, ids, weights, *aligned, num_tokens, hidden, num_experts, n_group,
         num_experts // n_group, float(scaling), *x.stride(), *weight.stride(), aligned[1].numel(),
-        BLOCK_T=triton.next_power_of_2(num_tokens), **meta, **_align_meta(num_experts + always, block_m, num_pairs),
+        BLOCK_T=triton.next_power_of_2(num_tokens), **meta, **align_meta(num_experts + always, block_m, num_pairs),
         BLOCK_H=min(4096, triton.next_power_of_2(hidden)), num_warps=8)
     return ids, weights, aligned

@@ -6,8 +6,8 @@ launch where PyTorch takes a top-k, a softmax, a cast and the alignment's kernel
 One program routes up to 32 tokens on a (tokens, experts) tile: top_k rounds of the largest
 remaining logit (the lowest id among equals), the softmax in fp32 over the chosen k (renormalized:
 Granite's, and Qwen's with `norm_topk_prob`) or over all E (Qwen's without), stored in the weights'
-dtype (transformers casts them to the hidden states' dtype); then ``_align_pairs`` of
-``moe_route_triton`` over the stored ids. Sized from shapes alone: CUDA-graph safe.
+dtype (transformers casts them to the hidden states' dtype); then ``align_pairs`` of
+``moe_align_triton`` over the stored ids. Sized from shapes alone: CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import triton.language as tl
 from torch import Tensor
 
 from replayserve.ops.moe import softmax_all_topk_route_ref, softmax_topk_route_ref
-from replayserve.ops.moe_route_triton import (
+from replayserve.ops.moe_align_triton import (
     ALIGN_IN_ONE_PROGRAM,
-    _align_meta,
-    _align_pairs,
-    _alignment_buffers,
     align_by_expert,
+    align_meta,
+    align_pairs,
+    alignment_buffers,
 )
 
 _TOKENS_IN_ONE_PROGRAM = 32
@@ -64,7 +64,7 @@ def _softmax_route_align_kernel(
     tl.store(ids_ptr + at, ids, mask=mask)
     tl.store(weights_ptr + at, weights.to(weights_ptr.dtype.element_ty), mask=mask)
     tl.debug_barrier()  # every token's ids are stored before the alignment reads them
-    _align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_tokens * TOP_K, num_blocks,
+    align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_tokens * TOP_K, num_blocks,
                  BLOCK_M, BLOCK_E, BLOCK_N)
 
 
@@ -95,10 +95,10 @@ def softmax_route_align_triton(logits: Tensor, top_k: int, block_m: int, weights
         return ids, weights.to(weights_dtype), align_by_expert(ids, num_experts, block_m)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
     weights = torch.empty(num_tokens, top_k, dtype=weights_dtype, device=logits.device)
-    aligned = _alignment_buffers(num_pairs, num_experts, block_m, logits.device)
+    aligned = alignment_buffers(num_pairs, num_experts, block_m, logits.device)
     _softmax_route_align_kernel[(1,)](
         logits, ids, weights, *aligned, num_tokens, num_experts, *logits.stride(), aligned[1].numel(),
         TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_T=triton.next_power_of_2(num_tokens),
         BLOCK_X=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(top_k),
-        **_align_meta(num_experts, block_m, num_pairs), num_warps=8)
+        **align_meta(num_experts, block_m, num_pairs), num_warps=8)
     return ids, weights, aligned

@@ -4,7 +4,7 @@ Nothing here reads a device value on the host, and every buffer and grid is size
 alone (T tokens, top_k, E experts), so one MoE layer can be captured in a CUDA graph:
 
 1. The routing (``replayserve.ops.moe_route_triton``) gives each token's expert ids and weights and
-   the (token, k) pairs sorted by expert in blocks of BLOCK_M rows (``align_by_expert``).
+   the (token, k) pairs sorted by expert in blocks of BLOCK_M rows (``moe_align_triton.align_by_expert``).
 2. Two launches of one grouped GEMM over those blocks, a block's expert read from the device: the
    up projection with relu^2 in its epilogue (kept in x's dtype, as the reference keeps it), then
    the down projection times the routing weight, one row per pair in x's dtype (the reference
@@ -30,7 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 from replayserve.ops.moe import check_expert_scales
-from replayserve.ops.moe_route_triton import align_by_expert
+from replayserve.ops.moe_align_triton import align_by_expert
 
 
 # The step's pair count only masks gathered rows: not specialised on (== 1, divisible by 16), which

@@ -257,6 +257,6 @@ def qwen_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_qwen_moe_eager_steps_after_warm_up_launch_no_new_kernel_variant(qwen_moe_model_dir: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The test above on Qwen3-Next's MoE: its routing over all experts and SwiGLU grouped GEMMs
-    (`SparseMoeBlock.warm_up`)."""
+    (`Runner.prepare_for_serving` sweeps its token counts)."""
     extra = {"max_num_seqs": 13, "max_num_batched_tokens": 77}
     _assert_serving_launches_no_new_variant(qwen_moe_model_dir, "replay", extra, monkeypatch, min_variants=20)

@@ -12,7 +12,7 @@ import torch
 from replayserve.builtin.tiny import make_tiny
 from replayserve.config import ModelConfig
 from replayserve.layers.linear import Linear
-from replayserve.layers.stacked import StackedProjection
+from replayserve.layers.stacked import StackedProjection, stack_as_views_
 from replayserve.models.loader import load_model
 from replayserve.models.registry import family_of
 from replayserve.models.writer import save_model
@@ -39,6 +39,26 @@ def test_stacked_outputs_equal_the_linears(bias: bool) -> None:
     with torch.no_grad():  # an in-place load lands in the stack
         linears[2].weight.fill_(0.5)
     torch.testing.assert_close(stacked(x)[2], linears[2](x), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_stack_as_views_keeps_each_parameter_as_a_view_of_its_slice(dim: int) -> None:
+    """The MoE layers' expert stacks are made by rows (dim 0) and, Nemotron-H's down projections, by
+    columns (dim 1): each parameter keeps its object, shape and values, and writes land in the stack."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(4, 3), (4, 5), (4, 2)] if dim == 1 else [(3, 4), (5, 4), (2, 4)]
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in shapes]
+    before = [p.detach().clone() for p in params]
+    ids = [id(p) for p in params]
+    stack = stack_as_views_(params, dim=dim)
+    assert stack.shape == ((10, 4) if dim == 0 else (4, 10))
+    assert torch.equal(stack, torch.cat(before, dim=dim))
+    assert [id(p) for p in params] == ids
+    for p, b in zip(params, before, strict=True):
+        assert torch.equal(p, b) and p.untyped_storage().data_ptr() == stack.untyped_storage().data_ptr()
+    with torch.no_grad():
+        params[1].fill_(7.0)
+    assert torch.equal(stack.narrow(dim, 3, 5), torch.full(shapes[1], 7.0))
 
 
 def test_falls_back_when_the_parameters_move_and_refuses_mixed_biases() -> None:

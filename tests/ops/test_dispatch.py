@@ -5,6 +5,7 @@ that the entry points follow it, and that nothing outside ``ops/`` picks a kerne
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from replayserve.ops import dispatch
 from replayserve.ops.activation import relu_square
 from replayserve.ops.dispatch import force_triton, use_triton
 from replayserve.ops.moe import topk_route
+from replayserve.ops.moe_softmax import softmax_moe
 from replayserve.ops.replay_ssm import replay_commit
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="forcing shows on CPU tensors")
@@ -72,6 +74,37 @@ def test_entry_points_follow_the_choice() -> None:
     assert torch.equal(relu_square(x), before.relu().square()) and torch.equal(x, before)
 
 
+@CPU_ONLY
+@pytest.mark.parametrize(("renormalize", "softmax_first"), [(True, False), (True, True), (False, True)])
+def test_softmax_moe_follows_the_choice(monkeypatch: pytest.MonkeyPatch, renormalize: bool,
+                                        softmax_first: bool) -> None:
+    """Granite's and the Qwen MoEs' entry point runs the grouped-GEMM kernel when forced and the
+    per-expert reference otherwise (each seen by a spy), with the same result."""
+    from replayserve.ops import moe_softmax, moe_triton
+
+    ran: list[str] = []
+
+    def spy(name: str, real: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def call(*args: object, **kwargs: object) -> torch.Tensor:
+            ran.append(name)
+            return real(*args, **kwargs)
+        return call
+
+    for module, name in ((moe_triton, "fused_moe_triton"), (moe_softmax, "fused_moe_ref")):
+        monkeypatch.setattr(module, name, spy(name, getattr(module, name)))
+    gen = torch.Generator().manual_seed(0)
+    x, logits, add = (torch.randn(5, width, generator=gen) for width in (8, 6, 8))
+    w_up, w_down = torch.randn(6, 2 * 4, 8, generator=gen) / 3, torch.randn(6, 8, 4, generator=gen) / 2
+    args = (x, logits, w_up, w_down, 2, renormalize, add, softmax_first)
+    want = softmax_moe(*args)
+    assert ran == ["fused_moe_ref"]
+    with force_triton():
+        got = softmax_moe(*args)
+    assert ran == ["fused_moe_ref", "fused_moe_triton"]
+    assert not torch.allclose(got, add, atol=1e-3)  # the experts contribute
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_reference_path_skips_the_pad_slot() -> None:
     """Padded decode rows name the pad slot, several at once; the references take them as -1
     (they need distinct slots), so the pad slot's cursors stay as they were."""
@@ -107,15 +140,15 @@ def _kernel_imports(source: str) -> set[str]:
 
 def test_only_ops_picks_a_kernel() -> None:
     """Outside ``ops/`` no module imports a Triton kernel module, but for the compositions that run
-    on the kernels alone, each behind ``use_triton`` (ops/dispatch.py): the MoEs' grouped GEMM
-    (Nemotron-H's, Granite 4.0-H's, Qwen3-Next's), the batch-1 GEMV with the conv update in its epilogue, and the
-    packed prefill."""
+    on the kernels alone, each behind ``use_triton`` (ops/dispatch.py): Nemotron-H's MoE (its
+    grouped GEMM with the shared expert folded in; Granite 4.0-H's and the Qwen MoEs' go through
+    ``ops.moe_softmax.softmax_moe``), the batch-1 GEMV with the conv update in its epilogue, and
+    the packed prefill."""
     importers = {str(path.relative_to(ROOT)): found for path in sorted(ROOT.rglob("*.py"))
                  if path.parent.name != "ops" and (found := _kernel_imports(path.read_text()))}
     assert importers == {
-        "layers/mlp.py": {"replayserve.ops.moe_triton", "replayserve.ops.moe_route_triton"},
-        "layers/granite_ffn.py": {"replayserve.ops.moe_triton", "replayserve.ops.moe_softmax_route_triton"},
-        "layers/qwen_moe.py": {"replayserve.ops.moe_triton", "replayserve.ops.moe_softmax_route_triton"},
+        "layers/mlp.py": {"replayserve.ops.moe_triton", "replayserve.ops.moe_route_triton",
+                          "replayserve.ops.moe_align_triton"},
         "layers/mamba2.py": {"replayserve.ops.gemv_triton"},
         "ssm/packed_prefill.py": {"replayserve.ops.conv1d_varlen_triton", "replayserve.ops.ssd_triton"},
     }

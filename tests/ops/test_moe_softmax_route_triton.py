@@ -16,7 +16,7 @@ from replayserve.builtin.tiny import tiny_config
 from replayserve.layers.granite_ffn import SoftmaxMoE
 from replayserve.ops.dispatch import force_triton
 from replayserve.ops.moe import softmax_all_topk_route_ref, softmax_topk_route_ref
-from replayserve.ops.moe_route_triton import align_by_expert
+from replayserve.ops.moe_align_triton import align_by_expert
 from replayserve.ops.moe_softmax_route_triton import softmax_route_align_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

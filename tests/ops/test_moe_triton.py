@@ -17,11 +17,10 @@ from replayserve.layers.mlp import MoE
 from replayserve.ops.activation import relu_square_ref
 from replayserve.ops.dispatch import force_triton
 from replayserve.ops.moe import fused_moe_ref, topk_route_ref
+from replayserve.ops.moe_align_triton import align_by_expert, max_blocks
 from replayserve.ops.moe_route_triton import (
-    align_by_expert,
     arrivals_counter,
     logits_route_align_triton,
-    max_blocks,
     route_and_align_triton,
     router_logits_triton,
     topk_route_triton,
