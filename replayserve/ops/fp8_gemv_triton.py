@@ -48,7 +48,10 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, xs_ptr, b_ptr, y_ptr, M, N, K, s_xm, 
         x = tl.load(x_rows + offs_k[None, :] * s_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         x = x.to(tl.float32)
         if QUANT_X:
-            x = tl.minimum(tl.maximum(x / x_scale, -FP8_LIMIT), FP8_LIMIT).to(tl.float8e4nv).to(tl.float32)
+            # IEEE division (div_rn), as quantize_fp8: Triton's `/` (div.full.f32, within 2 ulp) rounds a
+            # quotient near an FP8 boundary to the other code now and then (an H100 saw it in float16)
+            x = tl.minimum(tl.maximum(tl.math.div_rn(x, x_scale), -FP8_LIMIT), FP8_LIMIT).to(tl.float8e4nv)
+            x = x.to(tl.float32)
         acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
     y = tl.sum(acc, axis=2) * (tl.load(ws_ptr).to(tl.float32) * x_scale)
     if HAS_BIAS:

@@ -37,7 +37,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, s_xm, s_xk, s_qm, FP8_LIMI
             x = tl.load(x_row + offs * s_xk, mask=offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
         top = tl.max(amax, axis=0)
-        scale = tl.where(top > 0, top / FP8_LIMIT, 1.0)
+        scale = tl.where(top > 0, tl.math.div_rn(top, FP8_LIMIT), 1.0)
         tl.store(scale_ptr + row, scale)
     else:
         scale = tl.load(scale_ptr).to(tl.float32)
@@ -45,7 +45,9 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, s_xm, s_xk, s_qm, FP8_LIMI
         offs = k0 + tl.arange(0, BLOCK_K)
         mask = offs < K
         x = tl.load(x_row + offs * s_xk, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(x / scale, -FP8_LIMIT), FP8_LIMIT)
+        # div_rn: Triton's `/` is the approximate div.full.f32, which puts quotients near an FP8 rounding
+        # boundary on the other side of it now and then; torch's (and _scaled_mm users') division is IEEE
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_LIMIT), FP8_LIMIT)
         tl.store(q_ptr + row * s_qm + offs, q.to(tl.float8e4nv), mask=mask)
 
 
