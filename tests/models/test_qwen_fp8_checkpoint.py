@@ -20,8 +20,9 @@ from replayserve import LLM, SamplingParams
 from replayserve.builtin.tiny import make_tiny
 from replayserve.engine.runner import graphs_off_reason
 from replayserve.layers.qwen_moe import SparseMoeBlock
+from replayserve.models.fp8_loading import quantize_model_fp8
 from replayserve.models.loader import load_model
-from replayserve.models.quantization import quantizable_modules
+from replayserve.models.quantization import QuantConfig, QuantizationError, quantizable_modules
 from replayserve.ops.dispatch import force_triton
 from replayserve.ops.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8_per_tensor, requantize_to_max_scale
 from replayserve.quantize import _quantization_config
@@ -37,10 +38,11 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("qwen") / "bf16", family="qwen3_5_moe")
 
 
-def fp8_checkpoint(src: Path, out: Path, static: bool) -> Path:
-    """`src` in ModelOpt's FP8 layout; with `static`, an input_scale for every FP8 Linear."""
+def fp8_checkpoint(src: Path, out: Path, static: bool, keep: tuple[str, ...] = ()) -> Path:
+    """`src` in ModelOpt's FP8 layout; with `static`, an input_scale for every FP8 Linear; the
+    modules in `keep` stay 16-bit too."""
     linears, _ = quantizable_modules(load_model(src, torch.float32, torch.device("cpu")))
-    excluded = [m for m in linears if m == "lm_head" or m.endswith((".mlp.gate", ".shared_expert_gate"))]
+    excluded = [m for m in linears if m == "lm_head" or m.endswith((".mlp.gate", ".shared_expert_gate")) or m in keep]
     tensors = load_file(str(src / "model.safetensors"))
     for m in (stored(m) for m in linears if m not in excluded):
         tensors[f"{m}.weight"], tensors[f"{m}.weight_scale"] = quantize_fp8_per_tensor(tensors[f"{m}.weight"])
@@ -134,3 +136,24 @@ def test_stacked_logits_equal_the_per_expert_loop_and_the_dequantized_weights(so
     ref = last_logprobs(dequantized(fp8_dir, tmp_path / "ref"))
     torch.testing.assert_close(stacked, ref, rtol=1e-4, atol=1e-4)
     assert torch.equal(stacked.argmax(-1), ref.argmax(-1))
+
+
+def test_routed_experts_half_fp8_are_refused_naming_both_kinds(source: Path, tmp_path: Path) -> None:
+    """A block's routed experts are one stack: a 16-bit gate_proj among FP8 experts cannot join it."""
+    keep = ("backbone.layers.1.mlp.experts.2.gate_proj",)
+    fp8_dir = fp8_checkpoint(source, tmp_path / "fp8", static=False, keep=keep)
+    with pytest.raises(QuantizationError, match=r"quantizes backbone\.layers\.1\.mlp\.experts\.0\.gate_proj but not "
+                       r"backbone\.layers\.1\.mlp\.experts\.2\.gate_proj"):
+        load_model(fp8_dir, torch.float32, torch.device("cpu"))
+
+
+def test_quantized_in_memory_the_experts_stack_in_fp8(source: Path) -> None:
+    """`quantize_model_fp8` (the benchmarks' --quantization fp8) restacks the Qwen experts in FP8,
+    each expert's gate and up on one scale, the 16-bit stacks gone."""
+    model = load_model(source, torch.float32, torch.device("cpu"))
+    names = quantize_model_fp8(model, QuantConfig("FP8", None, ("lm_head",), "test"))
+    assert "backbone.layers.3.mlp.experts.3.up_proj" in names
+    for block in (m for m in model.modules() if isinstance(m, SparseMoeBlock)):
+        w_up, _ = block.expert_stacks()
+        assert w_up.dtype == FP8_DTYPE
+        assert all(m.gate_proj.weight_scale.data_ptr() == m.up_proj.weight_scale.data_ptr() for m in block.experts)
