@@ -68,6 +68,19 @@ class StepOutput(NamedTuple):
     prompt_scores: dict[str, PromptScores]
 
 
+def graphs_off_reason(model: torch.nn.Module, weight: torch.Tensor) -> str | None:
+    """Why `model`'s decode steps, on weights like `weight` (dtype, device), cannot be captured as CUDA
+    graphs; None when they can. The MoE layers' Triton path is sync-free: every MoE layer of a loaded
+    model runs its experts from stacks, FP8 ones included (the Qwen MoEs' gate and up requantized to
+    one scale per expert). The reference expert loop of the other dtypes asks the host which experts
+    are in use."""
+    moes = [m for m in model.modules() if isinstance(m, MoE | SoftmaxMoE | SparseMoeBlock)]
+    if moes and not use_triton(weight):
+        return (f"MoE layers in {weight.dtype} run the reference expert loop, which syncs on the host; use "
+                "float32, bfloat16 or float16")
+    return None
+
+
 class Runner:
     def __init__(self, config: EngineConfig, model: NemotronHForCausalLM,
                  hidden_store: HiddenStore | None = None) -> None:
@@ -92,15 +105,9 @@ class Runner:
         self._mixers = sorted((m for m in model.modules() if isinstance(m, Mamba2Mixer)), key=lambda m: m.mamba_index)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            # The Triton MoE path is sync-free; the reference expert loop (other dtypes, Qwen experts
-            # that could not stack) asks the host.
-            moes = [m for m in model.modules() if isinstance(m, MoE | SoftmaxMoE | SparseMoeBlock)]
-            if moes and not use_triton(weight):
-                logger.info("CUDA graphs are off: MoE layers in %s run the reference expert loop, which syncs "
-                            "on the host; use float32, bfloat16 or float16", self.dtype)
-            elif any(isinstance(m, SparseMoeBlock) and m.expert_stacks() is None for m in moes):
-                logger.info("CUDA graphs are off: the Qwen MoE's experts are not stacked (FP8 experts run one "
-                            "by one, with a host sync)")
+            reason = graphs_off_reason(model, weight)
+            if reason is not None:
+                logger.info("CUDA graphs are off: %s", reason)
             else:
                 self.graphs = self.make_decode_graphs(capture=True)
         if config.async_scheduling and self.graphs is None:

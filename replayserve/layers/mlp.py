@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from replayserve.config import ModelConfig
+from replayserve.layers.fp8_expert_stacks import stack_scales_
 from replayserve.layers.fp8_linear import FP8Linear
 from replayserve.layers.linear import Linear
 from replayserve.layers.stacked import stack_as_views_
@@ -150,14 +151,7 @@ class MoE(nn.Module):
         folded shared expert's one scale last (its S pieces share it: ``ops.moe.expert_scale``);
         each module's `weight_scale` buffer becomes a view of its entry."""
         mlps = [*self.experts, *([self.shared_experts] if self.num_folded else [])]
-        stacks = []
-        for proj in ("up_proj", "down_proj"):
-            linears = [getattr(m, proj) for m in mlps]
-            stack = torch.stack([lin.weight_scale.detach().reshape(()) for lin in linears])
-            for i, lin in enumerate(linears):
-                lin.weight_scale = stack[i]
-            stacks.append(stack)
-        return stacks[0], stacks[1]
+        return stack_scales_([(m.up_proj,) for m in mlps]), stack_scales_([(m.down_proj,) for m in mlps])
 
     def expert_scales(self, count: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The FP8 stacks' (up, down) per-expert scales for the first `count` experts of the stacks

@@ -5,7 +5,9 @@ SwiGLU experts, and a shared expert whose output is scaled by sigmoid(x @ shared
 Once the weights are final (`prepare_weights_`, after a load) the experts are stacked: every
 `experts.{e}.gate_proj` / `up_proj` weight becomes a view of one (E, 2I, W) tensor (expert e's gate
 rows, then its up rows: the grouped GEMM's SwiGLU layout) and every `down_proj` one of an (E, W, I)
-tensor, so the state dict, the writer and in-place loads see the checkpoint's per-expert names. The
+tensor, so the state dict, the writer and in-place loads see the checkpoint's per-expert names. FP8
+experts (`FP8Linear`s) stack their codes alike, each expert's gate and up first requantized to one
+shared scale, with (E,) stacks of their scales (`layers/fp8_expert_stacks.py`). The
 four projections of the block's input (the router, the shared expert's gate scalar, its gate and its
 up) become one stacked projection (`layers/stacked.py`). Stacking happens then and never in a
 forward: a CUDA graph captures the stacks' addresses.
@@ -17,6 +19,7 @@ import torch
 from torch import nn
 
 from replayserve.config import ModelConfig
+from replayserve.layers.fp8_expert_stacks import fp8_stackable, share_scale_, stack_scales_
 from replayserve.layers.granite_ffn import SwiGLUMLP
 from replayserve.layers.linear import Linear
 from replayserve.layers.stacked import StackedProjection, stack_as_views_, stackable
@@ -36,12 +39,13 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
         self._inputs: StackedProjection | None = None
         self._experts: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._scales: tuple[torch.Tensor, torch.Tensor] | None = None  # (E,) up and down, FP8 experts'
 
     def stack_projections_(self) -> None:
         """Stacks the experts (E, 2I, W) / (E, W, I) and the input's four projections, once the
-        weights are final (the module docstring). Experts that cannot stack (not all plain
-        `Linear`s of one dtype and device, as FP8 ones) stay apart: the forward then runs them one by
-        one, with a host sync."""
+        weights are final (the module docstring). Experts that cannot stack (not all plain `Linear`s
+        or all `FP8Linear`s of one dtype and device) stay apart: the forward then runs them one by
+        one, with a host sync. FP8 experts' gate and up are requantized to one scale first."""
         # Made here, not at construction: an FP8 load swaps modules in after that.
         self._inputs = StackedProjection(self.gate, self.shared_expert_gate, self.shared_expert.gate_proj,
                                          self.shared_expert.up_proj)
@@ -50,8 +54,15 @@ class SparseMoeBlock(nn.Module):
         gate_ups = [proj for m in self.experts for proj in (m.gate_proj, m.up_proj)]
         downs = [m.down_proj for m in self.experts]
         up, down = gate_ups[0].weight, downs[0].weight
-        if not (stackable(gate_ups) and stackable(downs)) or (up.dtype, up.device) != (down.dtype, down.device):
+        fp8 = fp8_stackable(gate_ups) and fp8_stackable(downs)
+        same_kind = (up.dtype, up.device) == (down.dtype, down.device)
+        if not (same_kind and (fp8 or (stackable(gate_ups) and stackable(downs)))):
             return
+        if fp8:  # the grouped GEMM scales an expert's (2I, W) block by one number
+            for m in self.experts:
+                share_scale_((m.gate_proj, m.up_proj))
+            self._scales = (stack_scales_([(m.gate_proj, m.up_proj) for m in self.experts]),
+                            stack_scales_([(m.down_proj,) for m in self.experts]))
         inner, width = up.shape
         w_up = stack_as_views_([m.weight for m in gate_ups]).view(len(self.experts), 2 * inner, width)
         w_down = stack_as_views_([m.weight for m in downs]).view(len(self.experts), width, inner)
@@ -71,16 +82,18 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden). With the experts stacked, `ops.moe_softmax.softmax_moe` (on
-        CUDA the routing kernels and the grouped-GEMM SwiGLU experts, the gated shared expert summed
-        in their last kernel, CUDA-graph safe; elsewhere the references); experts that could not
-        stack (FP8 ones) run one by one after the reference routing, with a host sync."""
+        CUDA the routing kernels and the grouped-GEMM SwiGLU experts, FP8 ones with their per-expert
+        scales, the gated shared expert summed in their last kernel, CUDA-graph safe; elsewhere the
+        references); experts that could not stack run one by one after the reference routing, with a
+        host sync."""
         projections = (self._inputs or StackedProjection(self.gate, self.shared_expert_gate,
                                                          self.shared_expert.gate_proj, self.shared_expert.up_proj))
         logits, shared_gate, gate, up = projections(x)  # the logits in x's dtype, as transformers computes them
         shared = torch.sigmoid(shared_gate) * self.shared_expert.down_proj(silu_mul(gate, up))
         stacks = self.expert_stacks()
         if stacks is not None:
-            return softmax_moe(x, logits, *stacks, self.top_k, self.norm_topk_prob, add=shared, softmax_first=True)
+            return softmax_moe(x, logits, *stacks, self.top_k, self.norm_topk_prob, add=shared, softmax_first=True,
+                               scales=self._scales)
         ids, weights = softmax_all_topk_route_ref(logits, self.top_k, self.norm_topk_prob)
         weights = weights.to(x.dtype)
         routed = torch.zeros_like(x)

@@ -4,15 +4,16 @@ reads its config and checks its tensors).
 Before any weight is allocated, every quantized Linear of the meta model becomes an ``FP8Linear``
 (float8_e4m3fn weight, its scales as buffers under the checkpoint's names), so the weights load as
 stored, never cast. Excluded modules stay 16-bit Linears. The MoE experts (routed and shared) are
-``FP8Linear``s too: ``MoE.stacked_experts`` stacks their codes and their per-expert weight scales,
-which the fused MoE kernel reads as they are (FP8 weights widened in registers). They run FP8
-weights on 16-bit activations: the experts' static ``input_scale`` tensors are checked and not
-applied (rounding the activations through FP8 would only lose precision in a kernel that reads
-weights). The shared expert, folded into the grouped GEMM up to 32 tokens, runs as its own FP8
-MLP above that, as an FP8 Linear without input_scale does (``ops.fp8_linear``). Our layers fuse
-no projections the checkpoint stores apart (q, k and v are separate Linears; ``in_proj`` is one
-stored tensor), so no shards need a common scale here; ``ops.fp8.requantize_to_max_scale`` is the
-tool for a family that does.
+``FP8Linear``s too: ``MoE.stacked_experts`` (Nemotron-H) and ``SparseMoeBlock.stack_projections_``
+(the Qwen MoEs) stack their codes and their per-expert weight scales, which the fused MoE kernel
+reads as they are (FP8 weights widened in registers). The routed experts, and Nemotron-H's shared
+expert (folded into the grouped GEMM up to 32 tokens, its own FP8 MLP above that, as an FP8 Linear
+without input_scale runs: ``ops.fp8_linear``), run FP8 weights on 16-bit activations: their static
+``input_scale`` tensors are checked and not applied (rounding the activations through FP8 would
+only lose precision in a kernel that reads weights). The one fused projection
+whose shards a checkpoint quantizes apart is a Qwen expert's gate|up block of the grouped GEMM: its
+two scales become one at stacking (``layers/fp8_expert_stacks.py``: ``ops.fp8.requantize_to_max_scale``);
+q, k and v are separate Linears and ``in_proj`` is one stored tensor.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 
 from replayserve.layers.fp8_linear import FP8Linear
 from replayserve.layers.mlp import MoE
+from replayserve.layers.qwen_moe import SparseMoeBlock
 from replayserve.models.quantization import (
     QuantConfig,
     QuantizationError,
@@ -73,11 +75,22 @@ def _expert_modules(name: str, moe: MoE) -> tuple[list[str], list[str]]:
     return routed, [f"{_under(name)}shared_experts.{p}" for p in ("up_proj", "down_proj")]
 
 
+def _routed_experts(model: nn.Module) -> dict[str, list[str]]:
+    """MoE layer name -> its routed experts' Linears (module names), for the layers whose routed
+    experts run as one stack in the grouped GEMM: Nemotron-H's (up, down) and the Qwen MoEs'
+    (gate, up, down)."""
+    routed = {name: _expert_modules(name, moe)[0] for name, moe in _moe_layers(model)}
+    for name, block in model.named_modules():
+        if isinstance(block, SparseMoeBlock):
+            routed[name] = [f"{_under(name)}experts.{e}.{p}" for e in range(len(block.experts))
+                            for p in ("gate_proj", "up_proj", "down_proj")]
+    return routed
+
+
 def _check_expert_kinds(model: nn.Module, quantized: set[str] | frozenset[str], source: str) -> None:
     """The routed experts of a MoE layer are one stack, so all FP8 or all 16-bit (else an error
     naming a module of each kind)."""
-    for name, moe in _moe_layers(model):
-        routed, _ = _expert_modules(name, moe)
+    for routed in _routed_experts(model).values():
         fp8 = [m for m in routed if m in quantized]
         if fp8 and len(fp8) != len(routed):
             other = next(m for m in routed if m not in quantized)
@@ -107,7 +120,8 @@ def prepare_fp8_model(model: nn.Module, quant: QuantConfig, header: Mapping[str,
     for name, moe in _moe_layers(model):
         if _shared_expert_apart(name, moe, quantized):
             moe.num_folded = 0  # not folded into the grouped GEMM: it runs as its own MLP
-    experts = {m for name, moe in _moe_layers(model) for part in _expert_modules(name, moe) for m in part}
+    experts = {m for routed in _routed_experts(model).values() for m in routed}
+    experts |= {m for name, moe in _moe_layers(model) for m in _expert_modules(name, moe)[1]}
     for module in found.linears:
         _swap_in(model, module, found.static_activations and module not in experts)
     for attention, scales in found.kv_cache.items():  # read once here: the kernels take them as numbers
@@ -120,7 +134,7 @@ def keep_row_scales_(model: nn.Module) -> None:
     ``FP8Linear`` that scales its activations per call keeps its row-wise weight scale
     (``FP8Linear.keep_row_scale_``), so the GEMM path does not rebuild it per call. The routed
     experts are left out: the fused MoE kernel reads their stacked scales instead."""
-    routed = {id(e) for _, moe in _moe_layers(model) for e in moe.experts.modules()}
+    routed = {id(model.get_submodule(m)) for names in _routed_experts(model).values() for m in names}
     for module in model.modules():
         if isinstance(module, FP8Linear) and module.input_scale is None and id(module) not in routed:
             module.keep_row_scale_()
@@ -142,8 +156,9 @@ def quantize_model_fp8(model: nn.Module, quant: QuantConfig) -> list[str]:
     model: every Linear ``quant`` does not exclude, MoE experts included, becomes an FP8Linear
     holding ``quantize_fp8_per_tensor`` of its weight, with no input_scale (activations scaled per
     call; the experts' kernel keeps them 16-bit). Each 16-bit weight is freed as its FP8 copy is
-    made, a MoE layer's expert stack once its last expert is done (the layer is then restacked in
-    FP8), so the peak is the 16-bit model plus one layer. For benchmarks on random weights.
+    made, a Nemotron-H MoE layer's expert stack once its last expert is done (the layer is then
+    restacked in FP8), so the peak is the 16-bit model plus one layer; the Qwen MoEs' 16-bit stacks
+    go at the end, when their FP8 experts are stacked. For benchmarks on random weights.
     Returns the names of the modules quantized."""
     linears, _ = quantizable_modules(model)
     chosen = [m for m in linears if not quant.is_excluded(m)]
@@ -154,6 +169,7 @@ def quantize_model_fp8(model: nn.Module, quant: QuantConfig) -> list[str]:
         if len(kinds) != 1:
             raise QuantizationError(f"{quant.source} quantizes some of {name}'s experts and not others; in memory "
                                     "a MoE layer's routed and shared experts are quantized together or not at all")
+    _check_expert_kinds(model, chosen_set, quant.source)
     last_expert = {max(i for i, m in enumerate(chosen) if m.startswith(_under(name))): moe for name, moe in layers
                    if any(m.startswith(_under(name)) for m in chosen)}
     for i, module in enumerate(chosen):
@@ -166,5 +182,8 @@ def quantize_model_fp8(model: nn.Module, quant: QuantConfig) -> list[str]:
         del linear  # an expert's weight is a view of the 16-bit stack: drop it before restacking
         if i in last_expert:  # the FP8 experts become views of FP8 stacks; the 16-bit stack goes
             last_expert[i].stacked_experts()
+    for block in model.modules():
+        if isinstance(block, SparseMoeBlock):  # restacked in FP8: gate and up requantized to one scale
+            block.stack_projections_()
     keep_row_scales_(model)
     return chosen

@@ -82,7 +82,7 @@ def test_block_equals_transformers(path: str, norm_topk_prob: bool, num_tokens: 
 
 
 def test_unstacked_experts_run_one_by_one_and_equal_the_stacked() -> None:
-    """Experts that could not stack (FP8 ones) take the per-expert loop: the same output."""
+    """Unstacked experts (before `stack_projections_`) take the per-expert loop: the same output."""
     ours, theirs = _pair(True, seed=5)
     x = torch.randn(5, ours.gate.weight.shape[1], generator=torch.Generator().manual_seed(2)).to(DEVICE)
     with torch.no_grad():
