@@ -53,13 +53,26 @@ def _checkpoint(out_dir: Path, name: str, overrides: dict) -> Path:
     return make_family_checkpoint(out_dir, name, **overrides)
 
 
-def _run(model_dir: Path, ranks: int, backend: str, prompts: list[list[int]]) -> tuple[list[RequestOutput], tuple]:
-    """The outputs of greedy requests for `prompts` and a seeded one for the first, and (the bytes
-    of rank 0's KV caches and recurrent states, what `cache_bytes_for` prices one rank's)."""
+def _run(model_dir: Path, ranks: int, backend: str, prompts: list[list[int]]) -> tuple[list[RequestOutput], tuple,
+                                                                                        list]:
+    """The outputs of greedy requests for `prompts` and a seeded one for the first, (the bytes of
+    rank 0's KV caches and recurrent states, what `cache_bytes_for` prices one rank's), and the
+    drafts of each of the MTP proposer's calls (rank 0's; none without MTP layers)."""
     mtp = ModelConfig.from_dir(model_dir).num_nextn_predict_layers > 0
     llm = LLM(str(model_dir), dtype="float32", device="cpu", max_num_seqs=4, max_num_batched_tokens=32,
               max_model_len=128, ssm_backend=backend, replay_window=8, tensor_parallel_size=ranks,
               speculative=MTP_SPEC if mtp else None)
+    drafts: list[list] = []
+    proposer = llm.engine.proposer
+    if proposer is not None:  # recorded: the target's tokens alone would not tell a broken MTP slice
+        propose_batch = proposer.propose_batch
+
+        def recorded(requests: list) -> dict:
+            proposed = propose_batch(requests)
+            drafts.append(sorted(proposed.items()))
+            return proposed
+
+        proposer.propose_batch = recorded  # type: ignore[method-assign]
     try:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts + prompts[:1]],
                                [GREEDY] * len(prompts) + [SEEDED], use_tqdm=False)
@@ -68,26 +81,27 @@ def _run(model_dir: Path, ranks: int, backend: str, prompts: list[list[int]]) ->
         states = sum(t.numel() * t.element_size() for t in runner.ssm.state_tensors())
         priced = cache_bytes_for(cfg, torch.float32, cfg.resolved_num_kv_blocks, cfg.resolved_num_mamba_cache_slots,
                                  per_rank=True)
-        return outputs, ((kv, states), priced)
+        return outputs, ((kv, states), priced), drafts
     finally:
         llm.close()
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}{'-' + str(c[1]) if c[1] else ''}-{c[2]}")
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
-    """(outputs at 1 rank, outputs at 2 ranks, the 2-rank run's cache bytes: allocated, priced)."""
+    """(outputs at 1 rank, outputs at 2 ranks, the 2-rank run's cache bytes: allocated, priced,
+    the MTP drafts at 1 rank, at 2 ranks)."""
     name, overrides, backend = request.param
     model_dir = _checkpoint(tmp_path_factory.mktemp(name), name, overrides)
     gen = torch.Generator().manual_seed(0)
     vocab = ModelConfig.from_dir(model_dir).vocab_size
     prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (5, 19, 40)]
-    reference, _ = _run(model_dir, 1, backend, prompts)
-    outputs, cache_bytes = _run(model_dir, 2, backend, prompts)
-    yield reference, outputs, cache_bytes
+    reference, _, reference_drafts = _run(model_dir, 1, backend, prompts)
+    outputs, cache_bytes, drafts = _run(model_dir, 2, backend, prompts)
+    yield reference, outputs, cache_bytes, (reference_drafts, drafts)
 
 
 def test_tokens_equal_one_rank(runs: tuple) -> None:
-    reference, outputs, _ = runs
+    reference, outputs, *_ = runs
     for ref, out in zip(reference, outputs, strict=True):
         assert len(out.outputs[0].token_ids) == NUM_NEW
         assert len(set(ref.outputs[0].token_ids)) > 4, "degenerate continuation: the comparison would be weak"
@@ -95,7 +109,7 @@ def test_tokens_equal_one_rank(runs: tuple) -> None:
 
 
 def test_logprobs_equal_one_rank_to_round_off(runs: tuple) -> None:
-    reference, outputs, _ = runs
+    reference, outputs, *_ = runs
     pairs = []
     for ref, out in zip(reference, outputs, strict=True):
         for a, b in zip(ref.outputs[0].logprobs, out.outputs[0].logprobs, strict=True):
@@ -111,5 +125,15 @@ def test_logprobs_equal_one_rank_to_round_off(runs: tuple) -> None:
 
 def test_rank_caches_are_what_sizing_prices_per_rank(runs: tuple) -> None:
     """Rank 0 allocates its slice's KV heads and recurrent (Mamba2 or GDN) heads, as sizing prices them."""
-    _, _, (allocated, priced) = runs
+    _, _, (allocated, priced), _ = runs
     assert allocated == priced
+
+
+def test_mtp_drafts_equal_one_rank(runs: tuple) -> None:
+    """The MTP layer's drafts (its slice of attention and feed-forward on each rank) are one rank's."""
+    reference, drafts = runs[3]
+    if not reference:
+        pytest.skip("no MTP layer in this checkpoint")
+    tokens = {t for call in reference for _, row in call for t in row}
+    assert len(tokens) > 4, "degenerate drafts: the comparison would be weak"
+    assert drafts == reference
