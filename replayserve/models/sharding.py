@@ -14,6 +14,11 @@ per expert too) keeps the rank's rows of each half. The multipliers (embedding, 
 muP) are folded into each rank's slice after it loads (`layers/fold.py`): scalars commute with the
 sums, and Falcon-H1's per-section in_proj multipliers follow the rank's local z/x/B/C/dt sections,
 which its mixer, built from the rank's config, sizes.
+
+The Gated DeltaNet families (Qwen3-Next, Qwen3.5) split the GDN by key heads, each rank with the value
+heads that read them (`_shard_gated_delta`), and their gated attention by heads (its q_proj rows hold
+each head's query, then its gate); their MoE block adds its routed and shared experts' partial sums
+(the shared one times its replicated sigmoid gate) and all-reduces once.
 """
 
 from __future__ import annotations
