@@ -6,6 +6,8 @@ the projection at fault."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,20 +19,23 @@ from replayserve.layers.qwen_moe import SparseMoeBlock
 from replayserve.models.registry import family_of
 from replayserve.models.sharding import RankShard
 
-WORLD = 2
+# (family, ranks, config overrides): 4 ranks of 1 GDN key head (2 value heads) and 1 attention head
+# each, the 2 KV heads each replicated on 2 ranks.
+CASES = [("qwen3_next", 2, {}), ("qwen3_5", 2, {}), ("qwen3_5_moe", 2, {}),
+         ("qwen3_next", 4, {"linear_num_key_heads": 4, "linear_num_value_heads": 8})]
 
 
-def _models(family: str) -> tuple[ModelConfig, nn.Module, list[nn.Module]]:
+def _models(family: str, world: int, overrides: dict) -> tuple[ModelConfig, nn.Module, list[nn.Module]]:
     """(config, the whole model with random weights, each rank's model loaded from its state dict).
     Layers: a GDN, a gated attention, then Qwen3-Next's dense first layer aside, MoE or MLP."""
-    cfg = tiny_config("G*G", family=family)
+    cfg = dataclasses.replace(tiny_config("G*G", family=family), **overrides)
     model_class = family_of(cfg).model_class
     whole = model_class(cfg)
     init_random_weights(whole, 0)
     state = whole.state_dict()
     ranks = []
-    for rank in range(WORLD):
-        shard = RankShard(cfg, rank, WORLD)
+    for rank in range(world):
+        shard = RankShard(cfg, rank, world)
         with torch.device("meta"):
             net = shard.build(model_class)
         net.allocate_("cpu", torch.float32)
@@ -41,14 +46,15 @@ def _models(family: str) -> tuple[ModelConfig, nn.Module, list[nn.Module]]:
     return cfg, whole, ranks
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5", "qwen3_5_moe"])
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-tp{c[1]}")
 def models(request: pytest.FixtureRequest) -> tuple[ModelConfig, nn.Module, list[nn.Module]]:
-    return _models(request.param)
+    return _models(*request.param)
 
 
-def _heads(x: torch.Tensor, count: int, rank: int) -> torch.Tensor:
-    """x (T, H, D): the rank's run of `count` heads."""
-    return x[:, rank * count : (rank + 1) * count]
+def _heads(x: torch.Tensor, count: int, rank: int, first: int | None = None) -> torch.Tensor:
+    """x (T, H, D): the rank's run of `count` heads, from head `first` (default rank * count)."""
+    first = rank * count if first is None else first
+    return x[:, first : first + count]
 
 
 def test_gated_delta_net_rank_heads(models: tuple) -> None:
@@ -65,7 +71,7 @@ def test_gated_delta_net_rank_heads(models: tuple) -> None:
     for rank, net in enumerate(ranks):
         local = net.backbone.layers[0].linear_attn
         lk, lv = local.num_k_heads, local.num_v_heads
-        assert (lk, lv) == (hk // WORLD, hv // WORLD)
+        assert (lk, lv) == (hk // len(ranks), hv // len(ranks))
         lqkv, lz, lb, la = local.project(h)
         lq, lk_, lv_ = lqkv.split([lk * kd, lk * kd, lv * vd], dim=-1)
         for mine, theirs, count, dim in ((lq, q, lk, kd), (lk_, k, lk, kd), (lv_, v, lv, vd)):
@@ -98,9 +104,10 @@ def test_gated_attention_rank_heads(models: tuple) -> None:
         local = net.backbone.layers[1].self_attn
         heads, kv = local.num_heads, local.num_kv_heads
         torch.testing.assert_close(local.q_proj(h).view(5, heads, 2 * dh), _heads(query_gate, heads, rank))
+        first_kv = rank * heads // (cfg.num_attention_heads // cfg.num_key_value_heads)  # the one its heads read
         for name in ("k_proj", "v_proj"):
             whole_kv = getattr(attn, name)(h).view(5, cfg.num_key_value_heads, dh)
-            torch.testing.assert_close(getattr(local, name)(h).view(5, kv, dh), _heads(whole_kv, kv, rank))
+            torch.testing.assert_close(getattr(local, name)(h).view(5, kv, dh), _heads(whole_kv, kv, rank, first_kv))
         out += F.linear(_heads(o.view(5, -1, dh), heads, rank).flatten(1), local.o_proj.weight)
     torch.testing.assert_close(out, attn.o_proj(o))
 
