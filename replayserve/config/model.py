@@ -330,14 +330,16 @@ def tensor_parallel_error(model: ModelConfig, world: int) -> str | None:
     """Why `model` cannot be split over `world` ranks (None: it can). Heads and inner dimensions
     split evenly; KV heads split, or are replicated when fewer than the ranks; Mamba groups follow
     the heads (ssm/layout.py: MambaShard), so any n_groups works. Granite 4.0-H, Bamba and
-    Falcon-H1 have a feed-forward half in every layer (not a layer kind of their own)."""
-    if model.model_type not in ("nemotron_h", GRANITE, BAMBA, FALCON_H1):
-        return (f"tensor parallelism is implemented for nemotron_h, {GRANITE}, {BAMBA} and {FALCON_H1}, "
-                f"not {model.model_type}")
+    Falcon-H1 have a feed-forward half in every layer (not a layer kind of their own). The Qwen
+    families' Gated DeltaNet splits its key heads and their value heads (each rank whole GQA groups).
+    Every family of the registry splits."""
     kinds = set(model.layer_types) | set(model.mtp_layer_types)
     sizes = {"num_attention_heads": model.num_attention_heads} if ATTENTION in kinds else {}
     if MAMBA in kinds:
         sizes["mamba_num_heads"] = model.mamba_num_heads
+    if GATED_DELTA in kinds:
+        # the value heads, a multiple of the key heads, then split as well
+        sizes["linear_num_key_heads"] = model.linear_num_key_heads
     if MLP in kinds or model.model_type in (BAMBA, FALCON_H1):
         sizes["intermediate_size"] = model.intermediate_size
     if model.model_type == GRANITE:  # the shared MLP (moe_shared_...), and the experts where there are some

@@ -14,6 +14,11 @@ per expert too) keeps the rank's rows of each half. The multipliers (embedding, 
 muP) are folded into each rank's slice after it loads (`layers/fold.py`): scalars commute with the
 sums, and Falcon-H1's per-section in_proj multipliers follow the rank's local z/x/B/C/dt sections,
 which its mixer, built from the rank's config, sizes.
+
+The Gated DeltaNet families (Qwen3-Next, Qwen3.5) split the GDN by key heads, each rank with the value
+heads that read them (`_shard_gated_delta`), and their gated attention by heads (its q_proj rows hold
+each head's query, then its gate); their MoE block adds its routed and shared experts' partial sums
+(the shared one times its replicated sigmoid gate) and all-reduces once.
 """
 
 from __future__ import annotations
@@ -27,9 +32,12 @@ from torch import nn
 from replayserve.config import ModelConfig
 from replayserve.layers.attention import Attention
 from replayserve.layers.falcon_mamba import GateOnly
+from replayserve.layers.gated_attention import GatedAttention
+from replayserve.layers.gated_delta_net import GatedDeltaNet
 from replayserve.layers.granite_ffn import SharedMLP, SoftmaxMoE, SwiGLUMLP
 from replayserve.layers.mamba2 import Mamba2Mixer
 from replayserve.layers.mlp import MLP, MoE
+from replayserve.layers.qwen_moe import SparseMoeBlock
 from replayserve.layers.tensor_parallel import (
     ParallelLMHead,
     ShardedGatedRMSNorm,
@@ -46,12 +54,15 @@ def local_model_config(model: ModelConfig, rank: int, world: int) -> ModelConfig
     """The config of a rank's slice: the model classes built from it have the rank's shapes (the
     vocabulary stays whole here; `RankShard.build` swaps in the vocab-parallel modules)."""
     mamba = MambaShard.of(model, rank, world)
+    # Gated DeltaNet: whole key heads and the value heads that read them (GatedDeltaLayout follows)
+    gdn = ({"linear_num_key_heads": model.linear_num_key_heads // world,
+            "linear_num_value_heads": model.linear_num_value_heads // world} if model.num_gated_delta_layers else {})
     return dataclasses.replace(
         model, num_attention_heads=model.num_attention_heads // world,
         num_key_value_heads=max(1, model.num_key_value_heads // world),
         intermediate_size=model.intermediate_size // world, moe_intermediate_size=model.moe_intermediate_size // world,
         moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size // world,
-        mamba_num_heads=mamba.num_heads, n_groups=mamba.num_groups)
+        mamba_num_heads=mamba.num_heads, n_groups=mamba.num_groups, **gdn)
 
 
 class RankShard:
@@ -61,6 +72,7 @@ class RankShard:
         self.model, self.rank, self.world = model, rank, world
         self.mamba = MambaShard.of(model, rank, world)
         self._slicers: dict[str, Slicer] = {}
+        self._summed_once: list[str] = []  # prefixes of modules whose inner partial sums are all-reduced once
 
     def build(self, model_class: type[nn.Module]) -> nn.Module:
         """The rank's model of `model_class` (the family's, `models/registry.py`; Nemotron-H's module
@@ -90,7 +102,9 @@ class RankShard:
         if isinstance(module, Attention):
             q, kv, dh = module.num_heads, module.num_kv_heads, module.head_dim
             kv_start = r * q // (self.model.num_attention_heads // self.model.num_key_value_heads)
-            s[prefix + "q_proj.weight"] = _rows(r * q * dh, q * dh)
+            # The gated attention's q_proj holds [query (Dh), gate (Dh)] per head: 2 Dh rows a head.
+            q_rows = 2 * dh if isinstance(module, GatedAttention) else dh
+            s[prefix + "q_proj.weight"] = _rows(r * q * q_rows, q * q_rows)
             s[prefix + "k_proj.weight"] = s[prefix + "v_proj.weight"] = _rows(kv_start * dh, kv * dh)
             s[prefix + "o_proj.weight"] = _cols(r * q * dh, q * dh)
             module.o_proj.register_forward_hook(all_reduce_output)  # MTP calls o_proj directly
@@ -104,13 +118,22 @@ class RankShard:
         elif isinstance(module, Mamba2Mixer):
             self._shard_mamba(prefix, module)
             module.register_forward_hook(all_reduce_output)
+        elif isinstance(module, GatedDeltaNet):
+            self._shard_gated_delta(prefix, module)
+            module.out_proj.register_forward_hook(all_reduce_output)
+        elif isinstance(module, SparseMoeBlock):
+            # Routed and shared experts (SwiGLUMLPs, cut below) each give a partial sum; the block
+            # adds them (the shared one times its replicated sigmoid gate) before one all-reduce.
+            self._summed_once.append(prefix)
+            module.register_forward_hook(all_reduce_output)
         elif isinstance(module, SwiGLUMLP):
             inner = module.up_proj.out_features
             for name in ("gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias"):
                 s[prefix + name] = _rows(r * inner, inner)
             s[prefix + "down_proj.weight"] = _cols(r * inner, inner)
             s[prefix + "down_proj.bias"] = self._first_rank_only
-            module.register_forward_hook(all_reduce_output)
+            if not any(prefix.startswith(outer) for outer in self._summed_once):
+                module.register_forward_hook(all_reduce_output)
         elif isinstance(module, SharedMLP):
             inner = module.output_linear.in_features
             s[prefix + "input_linear.weight"] = _gate_up(r * inner, inner, self.world * inner, dim=0)
@@ -144,6 +167,31 @@ class RankShard:
             before = getattr(mixer.norm, "norm_before_gate", False)
             mixer.norm = ShardedGatedRMSNorm(shard.num_heads * p, shard.head_start * p, group_size, cfg.n_groups,
                                              cfg.layer_norm_epsilon, norm_before_gate=before)
+
+    def _shard_gated_delta(self, prefix: str, mixer: GatedDeltaNet) -> None:
+        """The rank's key heads and the value heads that read them (value head j reads key head
+        j // (Hv / Hk), so both runs are contiguous): their q, k, v, z, b and a rows, conv channels,
+        A_log and dt_bias entries and out_proj columns. The gated norm's (V,) weight, shared by the
+        heads, stays whole: it normalizes each head on its own."""
+        cfg, s = self.model, self._slicers
+        hk, hv, kd, vd = mixer.num_k_heads, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim
+        k0, v0 = self.rank * hk, self.rank * hv  # the rank's first key and value head
+        qk_dim = cfg.linear_num_key_heads * kd
+        # The conv's channels are [q | k | v] over all heads in both layouts, and so is in_proj_qkv's output.
+        # On the CPU, as checkpoint tensors are read: `build` runs under the loader's meta device.
+        starts_counts = ((k0 * kd, hk * kd), (qk_dim + k0 * kd, hk * kd), (2 * qk_dim + v0 * vd, hv * vd))
+        qkv = torch.cat([torch.arange(start, start + n, device="cpu") for start, n in starts_counts])
+        s[prefix + "conv1d.weight"] = _index(qkv)
+        if mixer.fused_projections:  # Qwen3-Next's rows run key head by key head: whole groups, contiguous
+            qkvz_rows, ba_rows = mixer.in_proj_qkvz.out_features // hk, mixer.in_proj_ba.out_features // hk
+            s[prefix + "in_proj_qkvz.weight"] = _rows(k0 * qkvz_rows, hk * qkvz_rows)
+            s[prefix + "in_proj_ba.weight"] = _rows(k0 * ba_rows, hk * ba_rows)
+        else:
+            s[prefix + "in_proj_qkv.weight"] = _index(qkv)
+            s[prefix + "in_proj_z.weight"] = _rows(v0 * vd, hv * vd)
+            s[prefix + "in_proj_b.weight"] = s[prefix + "in_proj_a.weight"] = _rows(v0, hv)
+        s[prefix + "A_log"] = s[prefix + "dt_bias"] = _rows(v0, hv)
+        s[prefix + "out_proj.weight"] = _cols(v0 * vd, hv * vd)
 
     def _first_rank_only(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if self.rank == 0 else torch.zeros_like(tensor)

@@ -121,6 +121,27 @@ def test_nemotron_h_refuses_the_gdn_keys() -> None:
                                   "linear_num_key_heads": 2})
 
 
+@pytest.mark.parametrize(("edits", "ranks", "why"), [
+    ({"linear_num_key_heads": 2, "linear_num_value_heads": 4}, 4, "4 ranks must divide the model's "
+     "linear_num_key_heads=2"),
+    ({"num_attention_heads": 6, "num_key_value_heads": 2}, 4, "4 ranks must divide the model's num_attention_heads=6"),
+    ({"num_attention_heads": 12, "num_key_value_heads": 3}, 4, "4 ranks must divide num_key_value_heads=3 or be a "
+     "multiple of it"),
+    ({"moe_intermediate_size": 6}, 4, "4 ranks must divide the model's moe_intermediate_size=6"),
+    ({"shared_expert_intermediate_size": 10}, 4, "4 ranks must divide the model's moe_shared_expert_intermediate_size"),
+])
+def test_tensor_parallelism_refuses_sizes_the_ranks_do_not_split(edits: dict, ranks: int, why: str) -> None:
+    """Each rank keeps whole heads (GDN key heads and their value heads, attention heads, KV heads
+    or copies of them) and an equal part of every feed-forward inner dimension."""
+    splittable = {"linear_num_key_heads": 4, "linear_num_value_heads": 8, "num_attention_heads": 8,
+                  "num_key_value_heads": 4, "intermediate_size": 64, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 32}
+    EngineConfig(model=_next(**splittable), device="cpu", dtype="float32", tensor_parallel_size=4)
+    model = _next(**{**splittable, **edits})
+    with pytest.raises(ConfigError, match=f"engine option tensor_parallel_size: {why}"):
+        EngineConfig(model=model, device="cpu", dtype="float32", tensor_parallel_size=ranks)
+
+
 def test_replay_backend_on_gdn_models_defaults_to_a_power_of_two_ring() -> None:
     """R = W + T of 32 (plain decode) or 16 (speculation, doubled while W < T); an explicit window stays."""
     def window(**kw: object) -> int:
