@@ -36,10 +36,11 @@ What stays 16-bit by default (``default_excludes``; ``--exclude`` replaces it):
   the loader requantizes each expert's gate and up to one scale and stacks them, and refuses a
   block only partly FP8, so ``--exclude`` must keep a block's experts all or none).
 
-Always 16-bit, whatever ``--exclude`` says: modules with weights that are no Linears (embeddings,
-conv1d, Nemotron-H's fp32 router, Granite's routed experts, stored as (E, out, in) tensors the
-loader takes 16-bit only) and the Linears a family loads 16-bit only (``LOADS_16_BIT_ONLY``:
-Falcon-H1's ``mamba.in_proj``, whose per-section multipliers fold into its rows). Every
+Always 16-bit, whatever ``--exclude`` says: a tied LM head (the embedding table), modules with
+weights that are no Linears (embeddings, conv1d, Nemotron-H's fp32 router, Granite's routed
+experts, stored as (E, out, in) tensors the loader takes 16-bit only) and the Linears a family
+loads 16-bit only (``LOADS_16_BIT_ONLY``: Falcon-H1's ``mamba.in_proj``, whose per-section
+multipliers fold into its rows). Every
 ``--exclude`` pattern must name at least one module (fnmatch wildcards; ``path*`` means ``path``
 and the modules under it, as in ModelOpt's lists), spelled as the checkpoint does or as the
 engine does (``backbone.``).
@@ -143,10 +144,12 @@ def _vision_tower(files: list[Path]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _chosen_modules(model: nn.Module, cfg: ModelConfig, exclude: Sequence[str] | None, prefix: str,
+def _chosen_modules(model: nn.Module, cfg: ModelConfig, exclude: Sequence[str] | None, stored: list[str],
                     ) -> tuple[set[str], list[str]]:
     """(the Linears to quantize, every module kept 16-bit), as the engine names them; the errors
-    name the checkpoint's spelling (`prefix`)."""
+    name them as the checkpoint's tensor names (`stored`) spell them. A tied LM head (not stored:
+    the embedding table) stays 16-bit."""
+    prefix = backbone_prefix(stored)
     linears, _ = quantizable_modules(model)
     modules = [*linears, *_never_quantized(model)]
     unused = [p for p in exclude or () if not any(QuantConfig("FP8", None, (p,), "").is_excluded(m) for m in modules)]
@@ -155,7 +158,7 @@ def _chosen_modules(model: nn.Module, cfg: ModelConfig, exclude: Sequence[str] |
                                 f"{stored_name(linears[0], prefix)!r} or 'lm_head'")
     patterns = (*(default_excludes(cfg) if exclude is None else exclude), *LOADS_16_BIT_ONLY.get(cfg.model_type, ()))
     rule = QuantConfig("FP8", None, patterns, "--exclude")
-    quantized = {m for m in linears if not rule.is_excluded(m)}
+    quantized = {m for m in linears if not rule.is_excluded(m) and (m != "lm_head" or "lm_head.weight" in stored)}
     check_expert_kinds(model, quantized, "--exclude")
     return quantized, [m for m in modules if m not in quantized]
 
@@ -177,8 +180,9 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, exclude: Seq
     with torch.device("meta"):
         model = family_of(cfg).model_class(cfg)
     files = checkpoint_files(src)
-    prefix = backbone_prefix(_stored_names(files))
-    quantized, kept = _chosen_modules(model, cfg, exclude, prefix)
+    names = _stored_names(files)
+    prefix = backbone_prefix(names)
+    quantized, kept = _chosen_modules(model, cfg, exclude, names)
 
     state = _vision_tower(files)
     modelled = set(model.state_dict())

@@ -316,3 +316,16 @@ def test_a_multimodal_qwen3_5_keeps_its_names_and_its_vision_tower(tmp_path: Pat
     assert read_quant_config(tmp_path / "fp8").is_excluded("backbone.layers.0.linear_attn.conv1d")
     quantize_checkpoint(text, tmp_path / "text_fp8")
     torch.testing.assert_close(run(tmp_path / "fp8", 1)[0], run(tmp_path / "text_fp8", 1)[0], rtol=0, atol=0)
+
+
+def test_a_tied_lm_head_and_mtp_layers_stay_16_bit(tmp_path: Path) -> None:
+    """A tied LM head is the embedding table: 16-bit whatever --exclude says. MTP layers are
+    ModelOpt's recipe's exclusion; named otherwise, they quantize and load FP8 too."""
+    src = make_tiny(tmp_path / "src", family="qwen3_5_moe", mtp=True, tie_word_embeddings=True)
+    assert "mtp.fc" in quantize_checkpoint(src, tmp_path / "default").exclude_modules
+    model = load_model(tmp_path / "default", torch.float32, torch.device("cpu"))
+    assert not any(isinstance(m, FP8Linear) for m in model.mtp.modules())
+    assert isinstance(model.backbone.layers[0].linear_attn.out_proj, FP8Linear)
+    assert "lm_head" in quantize_checkpoint(src, tmp_path / "all", exclude=["*.conv1d"]).exclude_modules
+    model = load_model(tmp_path / "all", torch.float32, torch.device("cpu"))
+    assert isinstance(model.mtp.fc, FP8Linear) and not isinstance(model.lm_head, FP8Linear)
