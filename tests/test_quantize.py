@@ -1,5 +1,8 @@
 """``python -m replayserve.quantize``: a bf16 checkpoint becomes ModelOpt's FP8 layout, as the real
-ModelOpt export of the same bf16 model has it (tests/models/fixtures/modelopt_fp8)."""
+ModelOpt export of the same bf16 model has it (tests/models/fixtures/modelopt_fp8); a tiny
+checkpoint of every other family becomes FP8 in its own names, with ModelOpt's default exclusions,
+and loads back FP8 where expected, its logits those of its dequantized weights (the greedy agreement
+with the 32-bit source is printed: run with -s)."""
 
 from __future__ import annotations
 
@@ -329,3 +332,27 @@ def test_a_tied_lm_head_and_mtp_layers_stay_16_bit(tmp_path: Path) -> None:
     assert "lm_head" in quantize_checkpoint(src, tmp_path / "all", exclude=["*.conv1d"]).exclude_modules
     model = load_model(tmp_path / "all", torch.float32, torch.device("cpu"))
     assert isinstance(model.mtp.fc, FP8Linear) and not isinstance(model.lm_head, FP8Linear)
+
+
+def test_fused_expert_tensors_are_written_one_per_expert(tmp_path: Path) -> None:
+    """Experts stored as transformers 5 holds them (`experts.gate_up_proj` (E, 2I, H), `down_proj`
+    (E, H, I)) come out one FP8 tensor and scale per expert and projection, as the loader reads them."""
+    src = make_tiny(tmp_path / "src", family="qwen3_5_moe", layers="G")
+    per_expert = stored(src)
+    prefix = "model.layers.0.mlp.experts"
+    experts = range(4)
+    fused = {n: t for n, t in per_expert.items() if not n.startswith(f"{prefix}.")}
+    fused[f"{prefix}.gate_up_proj"] = torch.stack(
+        [torch.cat([per_expert[f"{prefix}.{e}.gate_proj.weight"], per_expert[f"{prefix}.{e}.up_proj.weight"]])
+         for e in experts])
+    fused[f"{prefix}.down_proj"] = torch.stack([per_expert[f"{prefix}.{e}.down_proj.weight"] for e in experts])
+    (tmp_path / "fused").mkdir()
+    save_file(fused, str(tmp_path / "fused" / "model.safetensors"))
+    for extra in ("config.json", "tokenizer.json"):
+        shutil.copy(src / extra, tmp_path / "fused")
+    quantize_checkpoint(tmp_path / "fused", tmp_path / "a")
+    quantize_checkpoint(src, tmp_path / "b")
+    ours, theirs = stored(tmp_path / "a"), stored(tmp_path / "b")
+    assert ours.keys() == theirs.keys() and f"{prefix}.3.up_proj.weight_scale" in ours
+    assert all(torch.equal(t.view(torch.uint8), theirs[n].view(torch.uint8)) if t.dtype == FP8_DTYPE
+               else torch.equal(t, theirs[n]) for n, t in ours.items())
