@@ -128,6 +128,7 @@ def _quantization_config(excluded: list[str]) -> tuple[dict, dict]:
 
 
 def _stored_names(files: list[Path]) -> list[str]:
+    """Every tensor name the checkpoint stores, as stored (headers only)."""
     names: list[str] = []
     for path in files:
         with safe_open(str(path), framework="pt") as f:
