@@ -87,7 +87,7 @@ def _routed_experts(model: nn.Module) -> dict[str, list[str]]:
     return routed
 
 
-def _check_expert_kinds(model: nn.Module, quantized: set[str] | frozenset[str], source: str) -> None:
+def check_expert_kinds(model: nn.Module, quantized: set[str] | frozenset[str], source: str) -> None:
     """The routed experts of a MoE layer are one stack, so all FP8 or all 16-bit (else an error
     naming a module of each kind)."""
     for routed in _routed_experts(model).values():
@@ -116,7 +116,7 @@ def prepare_fp8_model(model: nn.Module, quant: QuantConfig, header: Mapping[str,
     linears, attentions = quantizable_modules(model)
     found = check_quantized_tensors(header, quant, linears, attentions)
     quantized = set(found.linears)
-    _check_expert_kinds(model, quantized, quant.source)
+    check_expert_kinds(model, quantized, quant.source)
     for name, moe in _moe_layers(model):
         if _shared_expert_apart(name, moe, quantized):
             moe.num_folded = 0  # not folded into the grouped GEMM: it runs as its own MLP
@@ -169,7 +169,7 @@ def quantize_model_fp8(model: nn.Module, quant: QuantConfig) -> list[str]:
         if len(kinds) != 1:
             raise QuantizationError(f"{quant.source} quantizes some of {name}'s experts and not others; in memory "
                                     "a MoE layer's routed and shared experts are quantized together or not at all")
-    _check_expert_kinds(model, chosen_set, quant.source)
+    check_expert_kinds(model, chosen_set, quant.source)
     last_expert = {max(i for i, m in enumerate(chosen) if m.startswith(_under(name))): moe for name, moe in layers
                    if any(m.startswith(_under(name)) for m in chosen)}
     for i, module in enumerate(chosen):

@@ -17,6 +17,7 @@ from torch import nn
 
 from replayserve.config import ModelConfig
 from replayserve.models.checkpoint_error import CheckpointError
+from replayserve.models.checkpoint_names import VISION_PREFIX, canonical_name
 from replayserve.models.fp8_loading import keep_row_scales_, prepare_fp8_model
 from replayserve.models.quantization import read_quant_config
 from replayserve.models.registry import family_of
@@ -25,17 +26,12 @@ from replayserve.ops.fp8 import FP8_DTYPE
 
 logger = logging.getLogger(__name__)
 
-# transformers' in-memory names use `model.`; checkpoints on disk use `backbone.`. A multimodal
-# Qwen3.5 checkpoint holds its language model under `model.language_model.`.
-_PREFIXES = (("model.language_model.", "backbone."), ("model.", "backbone."))
 # In-memory fused expert tensors (E, out, in), as transformers 5 holds them.
 _FUSED_EXPERTS = re.compile(r"(.*\.mixer\.experts)\.(up_proj|down_proj)$")
 # The Qwen MoE's in-memory form: gate and up stacked in one (E, 2 I, H) tensor, down (E, H, I).
 _FUSED_GATE_UP = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 # Multi-token-prediction layers: loaded when the config declares them, else skipped.
 _MTP = re.compile(r"^mtp\.")
-# A multimodal checkpoint's vision tower (Qwen3.5): never loaded, the language model runs alone.
-_VISION = re.compile(r"^model\.visual\.")
 _LM_HEAD = "lm_head.weight"
 T = TypeVar("T")
 # safetensors' dtype names, for reading a tensor's dtype from the header without its data.
@@ -71,13 +67,6 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _canonical_name(name: str) -> str:
-    for old, new in _PREFIXES:
-        if name.startswith(old):
-            return new + name[len(old) :]
-    return name
-
-
 def _walk(files: list[Path], with_mtp: bool, read: Callable[[Any, str], T]) -> Iterator[tuple[Path, str, T]]:
     """Yields (file, tensor name as this engine names it, read(handle, stored name)) for every stored
     tensor (`mtp.*` only when `with_mtp`; a vision tower never). The one walk over the files: a safetensors error,
@@ -86,8 +75,8 @@ def _walk(files: list[Path], with_mtp: bool, read: Callable[[Any, str], T]) -> I
         try:
             with safe_open(str(path), framework="pt") as f:
                 for raw_name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    if (with_mtp or not _MTP.match(raw_name)) and not _VISION.match(raw_name):
-                        yield path, _canonical_name(raw_name), read(f, raw_name)
+                    if (with_mtp or not _MTP.match(raw_name)) and not raw_name.startswith(VISION_PREFIX):
+                        yield path, canonical_name(raw_name), read(f, raw_name)
         except SafetensorError as e:
             raise CheckpointError(f"{path} is not a valid safetensors file: {e}") from e
 

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from replayserve.layers.attention import Attention
 from replayserve.models.checkpoint_error import CheckpointError
+from replayserve.models.checkpoint_names import stored_spellings
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +63,9 @@ class QuantConfig:
 
     def excluding_pattern(self, module: str) -> str | None:
         """The first pattern of exclude_modules that keeps ``module`` (a dotted module name, as
-        stored: ``backbone.layers.0.mixer.in_proj``) unquantized, or None."""
-        # Names written with transformers' in-memory prefix (`model.`) match their `backbone.` spelling too.
-        names = {module, "model." + module.removeprefix("backbone.")} if module.startswith("backbone.") else {module}
+        the engine names it: ``backbone.layers.0.mixer.in_proj``) unquantized, or None. A pattern may
+        spell the backbone as any checkpoint does (``model.layers.0.*``: ``models/checkpoint_names.py``)."""
+        names = stored_spellings(module)
         for pattern in self.exclude_modules:
             if pattern.endswith("*") and not pattern.endswith(".*"):  # ModelOpt's "path*": path and its subtree
                 base = pattern[:-1]
