@@ -14,6 +14,10 @@ only lose precision in a kernel that reads weights). The one fused projection
 whose shards a checkpoint quantizes apart is a Qwen expert's gate|up block of the grouped GEMM: its
 two scales become one at stacking (``layers/fp8_expert_stacks.py``: ``ops.fp8.requantize_to_max_scale``);
 q, k and v are separate Linears and ``in_proj`` is one stored tensor.
+
+Under tensor parallelism the swap happens on a rank's model (``models/sharding.py``): each
+``FP8Linear`` has the rank's shape, takes the slice of the codes the loader cuts, keeps the whole
+per-tensor scales, and inherits the Linear's forward hooks (the row-parallel all-reduce).
 """
 
 from __future__ import annotations
