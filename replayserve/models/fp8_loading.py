@@ -14,6 +14,10 @@ only lose precision in a kernel that reads weights). The one fused projection
 whose shards a checkpoint quantizes apart is a Qwen expert's gate|up block of the grouped GEMM: its
 two scales become one at stacking (``layers/fp8_expert_stacks.py``: ``ops.fp8.requantize_to_max_scale``);
 q, k and v are separate Linears and ``in_proj`` is one stored tensor.
+
+Under tensor parallelism the swap happens on a rank's model (``models/sharding.py``): each
+``FP8Linear`` has the rank's shape, takes the slice of the codes the loader cuts, keeps the whole
+per-tensor scales, and inherits the Linear's forward hooks (the row-parallel all-reduce).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from torch import Tensor, nn
 from replayserve.layers.fp8_linear import FP8Linear
 from replayserve.layers.mlp import MoE
 from replayserve.layers.qwen_moe import SparseMoeBlock
+from replayserve.layers.tensor_parallel import ParallelLMHead, VocabParallelEmbedding
 from replayserve.models.quantization import (
     QuantConfig,
     QuantizationError,
@@ -34,7 +39,7 @@ from replayserve.models.quantization import (
     check_quantized_tensors,
     quantizable_modules,
 )
-from replayserve.ops.fp8 import quantize_fp8_per_tensor
+from replayserve.ops.fp8 import FP8_DTYPE, quantize_fp8_per_tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +118,12 @@ def prepare_fp8_model(model: nn.Module, quant: QuantConfig, header: Mapping[str,
     model: built on the meta device, not yet allocated. header: checkpoint name -> tensor, with
     meta tensors for weights (dtype and shape) and the scales' values.
     """
+    for name, module in model.named_modules():
+        weight = header.get(f"{name}.weight")  # the vocab-parallel modules: no FP8 form (nor vLLM's)
+        if isinstance(module, VocabParallelEmbedding | ParallelLMHead) and getattr(weight, "dtype", None) == FP8_DTYPE:
+            raise QuantizationError(f"checkpoint tensor {name}.weight is {FP8_DTYPE}: under tensor parallelism {name} "
+                                    "is split by vocabulary rows in 16-bit only; load this checkpoint with "
+                                    f"tensor_parallel_size 1, or keep {name} out of FP8 (exclude_modules)")
     linears, attentions = quantizable_modules(model)
     found = check_quantized_tensors(header, quant, linears, attentions)
     quantized = set(found.linears)
@@ -141,11 +152,17 @@ def keep_row_scales_(model: nn.Module) -> None:
 
 
 def _swap_in(model: nn.Module, module: str, static_input_scale: bool) -> tuple[nn.Linear, FP8Linear]:
-    """Puts an FP8Linear of the Linear ``module``'s shape in its place; returns (the Linear, the FP8Linear)."""
+    """Puts an FP8Linear of the Linear ``module``'s shape in its place, with the Linear's forward
+    hooks (tensor parallelism's all-reduce after a row-parallel projection such as an attention's
+    o_proj: ``models/sharding.py`` registers it on the Linear before this swap); returns (the
+    Linear, the FP8Linear)."""
     parent_name, _, child = module.rpartition(".")
     parent = model.get_submodule(parent_name)
     linear = getattr(parent, child)
     fp8 = FP8Linear.replacing(linear, static_input_scale)
+    for hook_id, hook in linear._forward_hooks.items():
+        fp8.register_forward_hook(hook, with_kwargs=hook_id in linear._forward_hooks_with_kwargs,
+                                  always_call=hook_id in linear._forward_hooks_always_called)
     setattr(parent, child, fp8)
     return linear, fp8
 

@@ -146,7 +146,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
 
     A ModelOpt FP8 checkpoint (`hf_quant_config.json` or config.json's `quantization_config`) is
     checked before anything is allocated and its quantized Linears load as `FP8Linear`s, their
-    weights in float8_e4m3fn (`models/fp8_loading.py`); tensor parallelism does not take one yet.
+    weights in float8_e4m3fn (`models/fp8_loading.py`). Under tensor parallelism each rank cuts the
+    FP8 codes as it cuts a 16-bit weight and keeps every per-tensor scale whole (it applies to each
+    slice); a Qwen expert's gate and up are requantized to one scale after the cut, which gives the
+    codes of requantizing first, the scales being per tensor.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -160,9 +163,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     model_class = family_of(cfg).model_class
     shard = RankShard(cfg, rank, world_size) if world_size > 1 else None
     quant = read_quant_config(model_dir)
-    if quant is not None and shard is not None:
-        raise CheckpointError(f"{model_dir} is an FP8 checkpoint ({quant.source}); FP8 checkpoints load with "
-                              "tensor_parallel_size 1 for now")
     with_mtp = cfg.num_nextn_predict_layers > 0
     with torch.device("meta"):
         model = model_class(cfg) if shard is None else shard.build(model_class)

@@ -7,7 +7,8 @@ fewer than ranks (then each rank keeps the one its heads read); MLP and MoE expe
 inner dimension (every rank routes every token; no expert parallelism); Mamba2 splits its heads,
 with the B/C groups `MambaShard` derives; embedding and LM head split the vocabulary. Norms,
 routers, the MoE latent projections and the MTP's eh_proj are replicated. A row-parallel bias is
-kept on rank 0 alone, so the all-reduce adds it once.
+kept on rank 0 alone, so the all-reduce adds it once. An FP8 checkpoint's codes are cut by the
+same slicers; its per-tensor scales have none, so every rank keeps them whole.
 
 The other Mamba2 hybrids use the same cuts: Granite 4.0-H's `input_linear` (gate and up stacked,
 per expert too) keeps the rank's rows of each half. The multipliers (embedding, residual, logits,

@@ -220,11 +220,6 @@ def test_a_broken_scale_fails_at_load_naming_the_tensor(tmp_path: Path, name: st
         load_model(rewritten(tmp_path / "ckpt", {name: bad}), torch.float32, torch.device("cpu"))
 
 
-def test_fp8_checkpoints_refuse_tensor_parallelism_by_name() -> None:
-    with pytest.raises(CheckpointError, match="tensor_parallel_size 1"):
-        load_model(FIXTURE, torch.float32, torch.device("cpu"), rank=0, world_size=2)
-
-
 def test_an_fp8_kv_cache_takes_the_checkpoints_scales_and_every_mode_agrees_on_it() -> None:
     stored = load_file(str(FIXTURE / "model.safetensors"))
     work = prompts(16, seed=5)
