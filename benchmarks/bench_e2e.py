@@ -18,7 +18,7 @@ MFU against the measured matmul rate), and the time to first token of one `--ttf
 `--hf` adds Hugging Face transformers' NemotronH on the same weights (decode steps timed inside
 `generate`). `--quantization none fp8` runs every row twice in one run: on the 16-bit weights,
 then with the Linears quantized to FP8 in memory as `replayserve quantize` and loading would
-(NVIDIA's exclusions; the MoE experts, routed and shared, FP8 with one scale per expert, read
+(`default_excludes`: NVIDIA's recipe on Nemotron-H, ModelOpt's default elsewhere; the MoE experts, routed and shared, FP8 with one scale per expert, read
 by the fused MoE kernel as FP8; dense activations scaled per call, the experts' kept 16-bit;
 backends named `+fp8`). Each MoE layer's 16-bit expert stack is freed once its experts are
 quantized, so the peak is the 16-bit model plus one layer. `--kv-cache-dtype auto fp8` likewise
@@ -77,7 +77,7 @@ from replayserve.engine.request import Status  # noqa: E402
 from replayserve.models.fp8_loading import quantize_model_fp8  # noqa: E402
 from replayserve.models.nemotron_h import NemotronHForCausalLM  # noqa: E402
 from replayserve.models.quantization import QuantConfig  # noqa: E402
-from replayserve.quantize import nemotron_h_default_excludes  # noqa: E402
+from replayserve.quantize import LOADS_16_BIT_ONLY, default_excludes  # noqa: E402
 from replayserve.sampling_params import SamplingParams  # noqa: E402
 from replayserve.ssm.layout import GatedDeltaLayout, MambaLayout  # noqa: E402
 
@@ -383,7 +383,9 @@ def main(argv: list[str] | None = None) -> dict:
     for quantization in args.quantization:
         tag = "" if quantization == "none" else f"+{quantization}"
         if quantization == "fp8":
-            rule = QuantConfig("FP8", None, nemotron_h_default_excludes(model.config), "--quantization fp8")
+            cfg = model.config  # what `replayserve quantize` keeps in 16-bit for this family
+            keep = (*default_excludes(cfg), *LOADS_16_BIT_ONLY.get(cfg.model_type, ()))
+            rule = QuantConfig("FP8", None, keep, "--quantization fp8")
             names = quantize_model_fp8(model, rule)
             result["meta"]["fp8_modules"] = len(names)
             result["meta"]["fp8_expert_modules"] = sum("experts." in n for n in names)  # routed and shared

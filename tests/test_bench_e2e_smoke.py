@@ -132,7 +132,7 @@ def test_bench_e2e_fp8_rows_quantize_the_moe_experts() -> None:
                         "2", "--warmup", "1", "--repeats", "1", "--prompt-len", "8", "--skip-prefill",
                         "--backends", "baseline", "--quantization", "none", "fp8"])
     cfg = bench_e2e.model_config("tiny")
-    rule = bench_e2e.QuantConfig("FP8", None, bench_e2e.nemotron_h_default_excludes(cfg), "test")
+    rule = bench_e2e.QuantConfig("FP8", None, bench_e2e.default_excludes(cfg), "test")
     linears = {n: m for n, m in bench_e2e.NemotronHForCausalLM(cfg).named_modules()
                if isinstance(m, torch.nn.Linear) and not rule.is_excluded(n)}
     experts = [n for n in linears if "experts." in n]
