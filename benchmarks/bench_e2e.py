@@ -16,14 +16,14 @@ at copy bandwidth, "+FLOPs" takes each projection at max(bytes, FLOPs) time.
 Prefill: `--prefill-prompts` prompts of `--prefill-len` tokens served to their first token (tokens/s,
 MFU against the measured matmul rate), and the time to first token of one `--ttft-len` prompt.
 `--hf` adds Hugging Face transformers' NemotronH on the same weights (decode steps timed inside
-`generate`). `--quantization none fp8` runs every row twice in one run: on the 16-bit weights,
-then with the Linears quantized to FP8 in memory as `replayserve quantize` and loading would
-(`default_excludes`: NVIDIA's recipe on Nemotron-H, ModelOpt's default elsewhere; the MoE
-experts, routed and shared, FP8 with one scale per expert, read by the fused MoE kernel as FP8;
-dense activations scaled per call, the experts' kept 16-bit; backends named `+fp8`). Each MoE
-layer's 16-bit expert stack is freed once its experts are quantized, so the peak is the 16-bit model plus one layer. `--kv-cache-dtype auto fp8` likewise
-runs every row with the model dtype's KV cache and with an FP8 one (backends named `+kv8`; the
-roofline counts the cache's bytes).
+`generate`). `--quantization none fp8` runs every row twice in one run: on the 16-bit weights, then
+with the Linears quantized to FP8 in memory as `replayserve quantize` and loading would
+(`default_excludes`: NVIDIA's recipe on Nemotron-H, ModelOpt's default elsewhere; the MoE experts,
+routed and shared, FP8 with one scale per expert, read by the fused MoE kernel as FP8; dense
+activations scaled per call, the experts' kept 16-bit; backends named `+fp8`). Each MoE layer's
+16-bit expert stack is freed once its experts are quantized, so the peak is the 16-bit model plus
+one layer. `--kv-cache-dtype auto fp8` likewise runs every row with the model dtype's KV cache and
+with an FP8 one (backends named `+kv8`; the roofline counts the cache's bytes).
 Rows that do not fit in device memory are skipped. Each engine's KV blocks and Mamba
 slots are sized for its batch and lengths, and freed before the next row.
 
