@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from replayserve.config import ATTENTION, MOE
+from replayserve.config import ATTENTION
 from replayserve.layers.fp8_linear import FP8Linear
+from replayserve.layers.granite_ffn import ExpertWeights
 from replayserve.models.nemotron_h import NemotronHForCausalLM
 from replayserve.ssm.layout import GatedDeltaLayout, MambaLayout
 
@@ -71,7 +72,8 @@ class Op:
 def _expert_share(model: NemotronHForCausalLM, rows: int) -> tuple[float, float]:
     """(expected share of experts a batch of `rows` tokens touches, share each token runs)."""
     cfg = model.config
-    if MOE not in cfg.layer_types:
+    # Nemotron-H's MoE layers, or a MoE inside every layer's feed-forward (Granite 4.0-H, Qwen MoEs)
+    if not any(isinstance(m, ExpertWeights) or ".experts." in name for name, m in model.named_modules()):
         return 1.0, 1.0
     per_token = cfg.num_experts_per_tok / cfg.n_routed_experts
     return 1.0 - (1.0 - per_token) ** rows, per_token
@@ -93,6 +95,10 @@ def weight_ops(model: NemotronHForCausalLM, tokens: int, sampled: int) -> list[O
             ops.append(Op(name, size * (touched if expert else 1.0),
                           2.0 * rows * module.weight.numel() * (per_token if expert else 1.0)))
             seen.update(id(p) for p in module.parameters(recurse=False))
+        elif isinstance(module, ExpertWeights):  # Granite's (E, out, in) stacks: a batch reads the experts it routes to
+            size = module.weight.numel() * module.weight.element_size()
+            ops.append(Op(name, size * touched, 2.0 * tokens * module.weight.numel() * per_token))
+            seen.add(id(module.weight))
         elif isinstance(module, nn.Embedding):
             other += min(tokens, module.num_embeddings) * module.embedding_dim * module.weight.element_size()
             seen.add(id(module.weight))

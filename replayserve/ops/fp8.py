@@ -53,7 +53,9 @@ def quantize_fp8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     row m stands for ``q[m] * scale[m]``. The reference of ``fp8_quant_triton``'s dynamic path."""
     wide = _wide(x.dtype)
     amax = x.detach().to(wide).abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).to(torch.float32)
+    # divided by a tensor on amax's device: torch multiplies by the reciprocal when the divisor is a
+    # Python number on CUDA (one ulp off the IEEE quotient the Triton kernel's div_rn computes)
+    scale = torch.where(amax > 0, amax / amax.new_tensor(FP8_MAX), torch.ones_like(amax)).to(torch.float32)
     return (x.to(wide) / scale.to(wide)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 

@@ -8,7 +8,8 @@ Triton launch (``fp8_quant_triton``); elsewhere the plain-PyTorch references.
 ``torch._scaled_mm`` (torch 2.13) asks: ``mat1`` (M, K) row-major and ``mat2`` (K, N) column-major,
 both float8; K and N multiples of 16 (M is free); per-tensor scales as one-element float32 tensors,
 or row-wise ones as (M, 1) and (1, N) float32, contiguous (bf16 output on CUDA); a bias in the output
-dtype, bf16 or fp16 (cuBLASLt adds none to an fp32 output; CUTLASS's row-wise kernel takes it). A
+dtype, bf16 or fp16 (CUTLASS's row-wise kernel takes it; cuBLASLt's per-tensor one refuses it at some
+shapes and for an fp32 output, so it is added after there). A
 checkpoint's weight is (N, K) row-major, so ``weight.t()`` is the column-major ``mat2`` with no copy.
 Shapes it refuses go to the dequantizing path (``scaled_mm_fits`` says which). Nothing here reads a
 tensor back to the host, so a CUDA graph can capture it.
@@ -50,7 +51,7 @@ def fp8_scaled_mm(x: Tensor, weight: Tensor, weight_scale: Tensor, input_scale: 
         x: (..., K) bf16, fp16 or fp32 activations.
         weight: (N, K) float8_e4m3fn, row-major; ``scaled_mm_fits(weight)`` must hold.
         weight_scale, input_scale: one-element float32 per-tensor scales on x's device.
-        bias: (N,) or None; added in the epilogue in ``out_dtype`` (an fp32 output adds it after).
+        bias: (N,) or None; added in ``out_dtype``, in the epilogue under row-wise scaling.
         out_dtype: the result's dtype; x.dtype when None.
         weight_scale_rows: ``row_wise_weight_scale(weight_scale, N)``, kept by a caller that runs
             this repeatedly (``FP8Linear``: made once at load); None builds it here when needed.
@@ -75,7 +76,9 @@ def fp8_scaled_mm(x: Tensor, weight: Tensor, weight_scale: Tensor, input_scale: 
     else:
         q, scale_a = _quantize(rows, fp8_scale(rows) if input_scale is None else input_scale)
         scale_b = weight_scale.to(torch.float32).reshape(())
-    epilogue_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
+    # CUTLASS's row-wise kernel adds a 16-bit bias in its epilogue; cuBLASLt's per-tensor FP8 GEMM
+    # refuses one at some shapes (CUBLAS_STATUS_NOT_SUPPORTED on an H100 at 10 x 64 x 128), so it is added after
+    epilogue_bias = bias is not None and row_wise and out_dtype in (torch.bfloat16, torch.float16)
     y = torch._scaled_mm(q, weight.t(), scale_a=scale_a, scale_b=scale_b,
                          bias=bias.to(out_dtype) if epilogue_bias else None, out_dtype=out_dtype)
     if bias is not None and not epilogue_bias:

@@ -25,6 +25,7 @@ from replayserve.ops.fp8 import FP8_DTYPE, dequantize_fp8
 from tests.graph_capture import capture
 
 ALL = QuantConfig("FP8", None, (), "test")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class Holder(nn.Module):
@@ -64,7 +65,8 @@ def dequantized_twin(quantized: Holder, latent: bool, shared: int) -> Holder:
 ])
 def test_an_fp8_moe_layer_equals_its_dequantized_twin(kernels: bool, latent: bool, shared: int,
                                                       num_tokens: int) -> None:
-    holder = Holder(latent, shared, seed=0)
+    device = DEVICE if kernels else "cpu"  # the kernels' path: CUDA where there is one, else the interpreter
+    holder = Holder(latent, shared, seed=0).to(device)
     moe = holder.mixer
     old_stack = weakref.ref(moe.stacked_experts()[0])
     names = quantize_model_fp8(holder, ALL)
@@ -81,9 +83,9 @@ def test_an_fp8_moe_layer_equals_its_dequantized_twin(kernels: bool, latent: boo
     x = torch.randn(num_tokens, 64, generator=torch.Generator().manual_seed(num_tokens))
     want = dequantized_twin(holder, latent, shared).mixer(x.double())
     with force_triton() if kernels else contextlib.nullcontext():
-        got = moe(x)
+        got = moe(x.to(device))
     assert got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), want, atol=1e-4 * want.abs().max().item(), rtol=1e-4)
+    torch.testing.assert_close(got.double().cpu(), want, atol=1e-4 * want.abs().max().item(), rtol=1e-4)
 
 
 def test_in_memory_a_moe_layer_is_quantized_whole_or_not_at_all() -> None:
