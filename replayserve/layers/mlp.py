@@ -173,7 +173,8 @@ class MoE(nn.Module):
             from replayserve.ops.moe_triton import default_config, fused_moe_triton
 
             folded = self.num_folded if x.shape[0] <= FOLD_SHARED_MAX_TOKENS else 0
-            config = default_config(x.shape[0] * (self.gate.top_k + folded), num + folded, w_up.element_size())
+            config = default_config(x.shape[0] * (self.gate.top_k + folded), num + folded, w_up.element_size(),
+                                        x.element_size())
             ids, weights, aligned = self.gate.route_aligned(x, folded, config.block_m)
             kw = dict(config=config, aligned=aligned)
             if folded:

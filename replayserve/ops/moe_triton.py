@@ -112,16 +112,20 @@ class GemmConfig:
     num_stages: int = 3
 
 
-def default_config(num_pairs: int, num_experts: int, weight_bytes: int = 2) -> GemmConfig:
+def default_config(num_pairs: int, num_experts: int, weight_bytes: int = 2, act_bytes: int = 2) -> GemmConfig:
     """Tiles by the mean pairs per expert: decode reads weights (narrow rows, deep K steps), prefill
     is compute bound (wide tiles, more warps). Untuned guesses: `benchmarks/bench_moe.py --sweep`
     measures the alternatives on the card. `weight_bytes`: 1 for FP8 experts, whose decode tiles
     take K steps twice as deep: half the steps of a 16-bit expert, each reading the same 256 bytes
     of a weight column, so the kernel gains whether a decode call is bound by bytes or by its
-    chain of steps (not yet swept on a GPU: `bench_moe.py --fp8 --sweep`)."""
+    chain of steps (not yet swept on a GPU: `bench_moe.py --fp8 --sweep`). `act_bytes`: the
+    activations' element size; an activation tile stays at 16 x 256 bf16 (8 KiB), so float32
+    activations on FP8 experts step 128 deep (four stages of fp32 A tiles 256 deep and two FP8
+    weight tiles, widened for the dot, would crowd an H100's shared memory)."""
     mean = num_pairs / num_experts
     if mean <= 16:
-        return GemmConfig(block_m=16, block_n=64, block_k=256 // weight_bytes, num_warps=4, num_stages=4)
+        block_k = min(256 // weight_bytes, 256 * 2 // act_bytes)
+        return GemmConfig(block_m=16, block_n=64, block_k=block_k, num_warps=4, num_stages=4)
     if mean <= 64:
         return GemmConfig(block_m=32 if mean <= 32 else 64, block_n=64, block_k=64, num_warps=4, num_stages=4)
     # H200 sweep, Nano's shape at 2048 tokens (96 pairs an expert): 1065 us against 1185 us for
@@ -169,7 +173,7 @@ def fused_moe_triton(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weigh
     num_pairs = num_tokens * top_k
     if aligned is not None and config is None:
         raise ValueError("aligned blocks come with the config whose block_m they were made for")
-    cfg = config or default_config(num_pairs, num_experts, w_up.element_size())
+    cfg = config or default_config(num_pairs, num_experts, w_up.element_size(), x.element_size())
     sorted_pairs, block_expert, num_padded = aligned or align_by_expert(ids, num_experts, cfg.block_m)
     weights = weights.reshape(-1).contiguous()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models: no TF32 rounding, as PyTorch's

@@ -331,3 +331,12 @@ def test_logits_route_align_in_one_launch(num_tokens: int, hidden: int, num_expe
     with pytest.raises(ValueError, match="route_and_align_triton"):
         logits_route_align_triton(torch.zeros(33, hidden, device=DEVICE), weight, arrivals, bias, *args, block_m=16)
 
+
+
+def test_decode_tiles_step_deeper_on_fp8_experts_but_keep_the_activation_tile() -> None:
+    """Decode tiles read 256 bytes of a weight column per K step (FP8 experts: 256 deep, 16-bit: 128,
+    fp32: 64), while the 16-row activation tile stays within 16 x 256 bf16: float32 activations on
+    FP8 experts step 128 deep (256 would crowd shared memory on the GPU)."""
+    depth = {(w, a): default_config(8, 64, weight_bytes=w, act_bytes=a).block_k for w in (1, 2, 4) for a in (2, 4)}
+    assert depth == {(1, 2): 256, (1, 4): 128, (2, 2): 128, (2, 4): 128, (4, 2): 64, (4, 4): 64}
+    assert default_config(64 * 64, 64, 1, 4).block_k == 64  # prefill tiles do not depend on either
