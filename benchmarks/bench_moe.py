@@ -20,7 +20,7 @@ For FP8 against bf16, run it twice (`--out` two directories), or on one warm car
     python benchmarks/bench_moe.py --tokens 1 8 64 --no-ref && python benchmarks/bench_moe.py --tokens 1 8 64 --fp8
 
 `--sweep` times the routed experts alone (`fused_moe_triton`, graphed) under each candidate
-`GemmConfig` and prints the best beside `default_config`'s, to retune that function.
+`GemmConfig` and prints the best beside `default_config`'s (through `config_for`), to retune that function.
 `--profile` prints, per T, the GPU kernels of the graphed layer (torch.profiler over 20 replays):
 where a decode-size call's time goes besides the grouped GEMMs.
 """
@@ -47,7 +47,7 @@ from replayserve.layers.mlp import MoE  # noqa: E402
 from replayserve.models.fp8_loading import quantize_model_fp8  # noqa: E402
 from replayserve.models.quantization import QuantConfig  # noqa: E402
 from replayserve.ops.moe import fused_moe_ref  # noqa: E402
-from replayserve.ops.moe_triton import GemmConfig, default_config, fused_moe_triton  # noqa: E402
+from replayserve.ops.moe_triton import GemmConfig, config_for, fused_moe_triton  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -153,7 +153,7 @@ def sweep(moe: MoE, x: torch.Tensor, reps: int) -> dict:
     ids, weights = moe.gate(x)
     w_up, w_down = (w[:len(moe.experts)] for w in moe.stacked_experts())
     scales = moe.expert_scales(len(moe.experts))
-    default = default_config(ids.numel(), w_up.shape[0], w_up.element_size())
+    default = config_for(x, w_up, w_down, ids.numel(), w_up.shape[0])
     times: dict[GemmConfig, float] = {}
     for config in {default, *candidates(default.block_m)}:
         try:
@@ -191,7 +191,7 @@ def profile_kernels(moe: MoE, x: torch.Tensor, replays: int = 20) -> dict[str, f
 def candidates(block_m: int) -> list[GemmConfig]:
     """Tiles around a default block_m: half to twice it, 16 to 128."""
     ms = sorted({m for m in (block_m // 2, block_m, 2 * block_m) if 16 <= m <= 128})
-    return [GemmConfig(m, n, k, w, st) for m in ms for n in (32, 64, 128) for k in (64, 128, 256) for w in (4, 8)
+    return [GemmConfig(m, n, k, w, st) for m in ms for n in (16, 32, 64, 128) for k in (64, 128, 256) for w in (4, 8)
             for st in (3, 4)]
 
 

@@ -170,11 +170,10 @@ class MoE(nn.Module):
         num = len(self.experts)
         w_up, w_down = self.stacked_experts()
         if use_triton(x):  # the grouped GEMM and its aligned routing: a composition of kernels only
-            from replayserve.ops.moe_triton import default_config, fused_moe_triton
+            from replayserve.ops.moe_triton import config_for, fused_moe_triton
 
             folded = self.num_folded if x.shape[0] <= FOLD_SHARED_MAX_TOKENS else 0
-            config = default_config(x.shape[0] * (self.gate.top_k + folded), num + folded, w_up.element_size(),
-                                        x.element_size())
+            config = config_for(x, w_up, w_down, x.shape[0] * (self.gate.top_k + folded), num + folded)
             ids, weights, aligned = self.gate.route_aligned(x, folded, config.block_m)
             kw = dict(config=config, aligned=aligned)
             if folded:

@@ -47,9 +47,9 @@ def softmax_moe(x: Tensor, logits: Tensor, w_up: Tensor, w_down: Tensor, top_k: 
     """
     if use_triton(x):
         from replayserve.ops.moe_softmax_route_triton import softmax_route_align_triton
-        from replayserve.ops.moe_triton import default_config, fused_moe_triton
+        from replayserve.ops.moe_triton import config_for, fused_moe_triton
 
-        config = default_config(x.shape[0] * top_k, w_up.shape[0], w_up.element_size(), x.element_size())
+        config = config_for(x, w_up, w_down, x.shape[0] * top_k, w_up.shape[0])
         ids, weights, aligned = softmax_route_align_triton(logits, top_k, config.block_m, x.dtype,
                                                            renormalize=renormalize)
         return fused_moe_triton(x, w_up, w_down, ids, weights, add=add, config=config, aligned=aligned,

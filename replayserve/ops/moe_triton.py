@@ -22,6 +22,7 @@ alone (T tokens, top_k, E experts), so one MoE layer can be captured in a CUDA g
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -112,7 +113,8 @@ class GemmConfig:
     num_stages: int = 3
 
 
-def default_config(num_pairs: int, num_experts: int, weight_bytes: int = 2, act_bytes: int = 2) -> GemmConfig:
+def default_config(num_pairs: int, num_experts: int, weight_bytes: int = 2, act_bytes: int = 2,
+                   columns: int | None = None, sms: int = 132) -> GemmConfig:
     """Tiles by the mean pairs per expert: decode reads weights (narrow rows, deep K steps), prefill
     is compute bound (wide tiles, more warps). Untuned guesses: `benchmarks/bench_moe.py --sweep`
     measures the alternatives on the card. `weight_bytes`: 1 for FP8 experts, whose decode tiles
@@ -121,16 +123,37 @@ def default_config(num_pairs: int, num_experts: int, weight_bytes: int = 2, act_
     chain of steps (not yet swept on a GPU: `bench_moe.py --fp8 --sweep`). `act_bytes`: the
     activations' element size; an activation tile stays at 16 x 256 bf16 (8 KiB), so float32
     activations on FP8 experts step 128 deep (four stages of fp32 A tiles 256 deep and two FP8
-    weight tiles, widened for the dot, would crowd an H100's shared memory)."""
+    weight tiles, widened for the dot, would crowd an H100's shared memory).
+
+    `columns`: the narrower GEMM's output width (the experts' inner size or the model's width), and
+    `sms` the card's multiprocessors: a decode call runs one program per (routed expert, column
+    tile), so with few experts a token and narrow experts (Granite 4.0-H-Tiny: 6 of 64, 512 wide:
+    48 programs of 64 columns on 132 SMs) the tiles narrow, down to 16 columns, until every SM has
+    a program; wide experts keep 64 (Nemotron-3-Nano: 8 x 29)."""
     mean = num_pairs / num_experts
     if mean <= 16:
         block_k = min(256 // weight_bytes, 256 * 2 // act_bytes)
-        return GemmConfig(block_m=16, block_n=64, block_k=block_k, num_warps=4, num_stages=4)
+        block_n, live = 64, min(num_pairs, num_experts)
+        while columns is not None and block_n > 16 and live * -(-columns // block_n) < sms:
+            block_n //= 2
+        return GemmConfig(block_m=16, block_n=block_n, block_k=block_k, num_warps=4, num_stages=4)
     if mean <= 64:
         return GemmConfig(block_m=32 if mean <= 32 else 64, block_n=64, block_k=64, num_warps=4, num_stages=4)
     # H200 sweep, Nano's shape at 2048 tokens (96 pairs an expert): 1065 us against 1185 us for
     # the 64-row, 8-warp tiles this replaced.
     return GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=3)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def config_for(x: Tensor, w_up: Tensor, w_down: Tensor, num_pairs: int, num_experts: int) -> GemmConfig:
+    """``default_config`` for these operands: their element sizes, the narrower GEMM's columns (w_down
+    is (E, W, I)) and, on CUDA, the card's multiprocessors."""
+    sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device()) if x.is_cuda else 132
+    return default_config(num_pairs, num_experts, w_up.element_size(), x.element_size(), min(w_down.shape[1:]), sms)
 
 
 def fused_moe_triton(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weights: Tensor,
@@ -173,7 +196,7 @@ def fused_moe_triton(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weigh
     num_pairs = num_tokens * top_k
     if aligned is not None and config is None:
         raise ValueError("aligned blocks come with the config whose block_m they were made for")
-    cfg = config or default_config(num_pairs, num_experts, w_up.element_size(), x.element_size())
+    cfg = config or config_for(x, w_up, w_down, num_pairs, num_experts)
     sorted_pairs, block_expert, num_padded = aligned or align_by_expert(ids, num_experts, cfg.block_m)
     weights = weights.reshape(-1).contiguous()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models: no TF32 rounding, as PyTorch's

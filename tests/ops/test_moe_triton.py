@@ -340,3 +340,14 @@ def test_decode_tiles_step_deeper_on_fp8_experts_but_keep_the_activation_tile() 
     depth = {(w, a): default_config(8, 64, weight_bytes=w, act_bytes=a).block_k for w in (1, 2, 4) for a in (2, 4)}
     assert depth == {(1, 2): 256, (1, 4): 128, (2, 2): 128, (2, 4): 128, (4, 2): 64, (4, 4): 64}
     assert default_config(64 * 64, 64, 1, 4).block_k == 64  # prefill tiles do not depend on either
+
+
+def test_decode_tiles_narrow_until_every_multiprocessor_has_a_program() -> None:
+    """One program per (routed expert, column tile) at decode: Granite 4.0-H-Tiny's 6 experts of 512
+    inner columns get 16-column tiles on 132 SMs (6 x 32 programs, not 6 x 8), Nemotron-3-Nano's 8
+    (6 routed + 2 folded shared pieces) of 1856 keep 64 (8 x 29); prefill tiles do not change."""
+    assert default_config(6, 64, columns=512, sms=132).block_n == 16
+    assert default_config(12, 64, columns=512, sms=132).block_n == 32  # two tokens: 12 experts x 16 tiles
+    assert default_config(8, 130, columns=1856, sms=132).block_n == 64
+    assert default_config(6, 64).block_n == 64  # columns unknown: the old tile
+    assert default_config(4096, 64, columns=512, sms=132) == default_config(4096, 64)
