@@ -60,6 +60,7 @@ from replayserve.ops.gated_delta import (  # noqa: E402
     l2norm_ref,
 )
 from replayserve.ops.replay_gdn import replay_gdn_materialize, replay_gdn_step  # noqa: E402
+from replayserve.ops.replay_gdn_triton import replay_gdn_step_triton  # noqa: E402
 
 HK, HV, DK, DV = 16, 32, 128, 128  # Qwen3.5-9B's GDN layer (and Qwen3.5-35B-A3B's, Qwen3-Next's)
 ACT, STATE = torch.bfloat16, torch.float32
@@ -139,12 +140,15 @@ def consistent_history(pool: dict[str, torch.Tensor], gen: torch.Generator) -> l
     return reached
 
 
-def read_call(pool: dict[str, torch.Tensor], x: dict[str, torch.Tensor]) -> Call:
+def read_call(pool: dict[str, torch.Tensor], x: dict[str, torch.Tensor], block_v: int | None = None) -> Call:
+    """The engine's entry point, or with `block_v` the Triton step at that many state columns per program."""
     rows = pool["slots"].shape[0]
     ones = torch.ones(rows, dtype=torch.int32, device=pool["slots"].device)
-    return lambda: replay_gdn_step(*(pool[n] for n in RINGS), pool["ring_start"], pool["history"], pool["is_flush"],
-                                   pool["slots"], ones, x["q"][:, None], x["k"][:, None], x["v"][:, None],
-                                   x["g"][:, None], x["beta"][:, None], use_qk_l2norm=True)
+    args = (*(pool[n] for n in RINGS), pool["ring_start"], pool["history"], pool["is_flush"], pool["slots"], ones,
+            x["q"][:, None], x["k"][:, None], x["v"][:, None], x["g"][:, None], x["beta"][:, None])
+    if block_v is None:
+        return lambda: replay_gdn_step(*args, use_qk_l2norm=True)
+    return lambda: replay_gdn_step_triton(*args, use_qk_l2norm=True, block_v=block_v)
 
 
 def flush_call(pool: dict[str, torch.Tensor]) -> Call:
@@ -255,6 +259,9 @@ def measure(batch: int, args: argparse.Namespace, fla: Callable | None, gen: tor
     del pools
     replay = [replay_pool(batch, args.window, device, gen) for _ in range(sets)]
     us["replay read"] = time_calls([read_call(p, x) for p in replay], device, args.graph, args.iters)
+    for block_v in args.block_v:  # the read kernel's columns per program, swept
+        us[f"replay read, block_v {block_v}"] = time_calls([read_call(p, x, block_v) for p in replay], device,
+                                                           args.graph, args.iters)
     for p in replay:  # the steady state: the rows at history W (one in W) flush, as replay_prepare sets them
         p["is_flush"].copy_(p["history"] == args.window)
     us["replay step"] = time_calls([read_call(p, x) for p in replay], device, args.graph, args.iters)
@@ -284,6 +291,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="ReplaySSM window W: the engine's default for GDN plain decode (R = W + 1 = 32)")
     p.add_argument("--iters", type=int, default=20, help="timed passes per variant; the median is reported")
     p.add_argument("--graph", action="store_true", help="time CUDA-graph replays (CUDA only)")
+    p.add_argument("--block-v", type=int, nargs="*", default=[],
+                   help="also time the ReplaySSM read kernel at these state columns per program (16, 32, 64, 128)")
     p.add_argument("--out", type=Path, help="write the result as JSON here")
     args = p.parse_args(argv)
     gen = torch.Generator().manual_seed(0)
@@ -313,8 +322,9 @@ def main(argv: list[str] | None = None) -> dict:
     for batch in args.batch:
         us = measure(batch, args, fla, gen)
         for variant, t in us.items():
-            gbs = model[variant] * batch / t / 1e3
-            records.append({"batch": batch, "variant": variant, "us": t, "mb": model[variant] * batch / 1e6,
+            bytes_ = model[variant.split(",")[0]]  # a swept read moves the read's bytes
+            gbs = bytes_ * batch / t / 1e3
+            records.append({"batch": batch, "variant": variant, "us": t, "mb": bytes_ * batch / 1e6,
                             "gbs": gbs, "of_copy": gbs / copy_gbs, "vs_fla": us["fla"] / t if "fla" in us else None,
                             "vs_ours": us["ours"] / t})
         print(f"done batch {batch}", file=sys.stderr, flush=True)

@@ -27,7 +27,7 @@ query rows padded to 16), all of the read's, over K in chunks of 32 so that the 
 each warp holds stay small. A decode step (T = 1) has one query row, where a dot would pad 15 rows
 of zeros: there, as in the baseline step, products are summed on the CUDA cores (about 2 (K + E)
 FMAs per state column against the baseline's 4 K), in one chunk. Built for sm_90 (Triton 3.7, K =
-V = 128, E = 32), the read kernel takes 168 registers at T = 1 (the baseline step 203) and 233 at
+V = 128, E = 32), the read kernel takes 168 registers at T = 1 (the baseline step 203) and 239 at
 T > 1 (8 warps), the flush 255 (4 warps), materialization 122 (8 warps), none spilling. Launch
 sizes are not tuned on a GPU yet.
 """
@@ -130,6 +130,18 @@ def _replay_gdn_read_kernel(
     phys_new = start + m + offs_t  # appends at logical entries m..m+n-1: m + n <= R, never on the history
     phys_new = tl.where(phys_new >= ring_len, phys_new - ring_len, phys_new)
 
+    # Everything read besides the K-wide operands is loaded first: the loop below stores the step's keys
+    # into the ring, and loads after a store cannot be moved above it, which would leave two rounds of
+    # memory latency in a decode program.
+    g_old = tl.load(gr + phys * s_gr_e, mask=old, other=0.0).to(tl.float32)
+    d_old = tl.load(dr + phys[:, None] * s_dr_e + offs_v[None, :] * s_dr_v,
+                    mask=old[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
+    mask_tv = mask_t[:, None] & mask_v[None, :]
+    g_raw = tl.load(g_in + offs_t * s_g_t, mask=mask_t, other=0.0).to(g_ring_ptr.dtype.element_ty)
+    beta = tl.load(beta_ptr + row * s_be_b + offs_t * s_be_t + h * s_be_h, mask=mask_t, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + row * s_v_b + offs_t[:, None] * s_v_t + h * s_v_h + offs_v[None, :] * s_v_v,
+                mask=mask_tv, other=0.0).to(tl.float32)
+
     # Every product over K, in chunks of BLOCK_C columns: one chunk for a decode step; with T > 1,
     # chunks keep small the tl.dot operands that each warp holds whole (16 x BLOCK_C query rows).
     # Keys are L2-normalized by scaling the products (bilinear in the keys) once the norms are summed.
@@ -171,14 +183,6 @@ def _replay_gdn_read_kernel(
     r_new = _inv_norm(ss_new, L2NORM)
     r_q = _inv_norm(ss_q, L2NORM) * scale
 
-    g_old = tl.load(gr + phys * s_gr_e, mask=old, other=0.0).to(tl.float32)
-    d_old = tl.load(dr + phys[:, None] * s_dr_e + offs_v[None, :] * s_dr_v,
-                    mask=old[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
-    mask_tv = mask_t[:, None] & mask_v[None, :]
-    g_raw = tl.load(g_in + offs_t * s_g_t, mask=mask_t, other=0.0).to(g_ring_ptr.dtype.element_ty)
-    beta = tl.load(beta_ptr + row * s_be_b + offs_t * s_be_t + h * s_be_h, mask=mask_t, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + row * s_v_b + offs_t[:, None] * s_v_t + h * s_v_h + offs_v[None, :] * s_v_v,
-                mask=mask_tv, other=0.0).to(tl.float32)
     # Cumulative decays from the origin: G_j of the history, G_t of the new tokens (t at entry m + t).
     cum_old = tl.cumsum(g_old, 0)
     cum_new = tl.sum(g_old) + tl.cumsum(g_raw.to(tl.float32), 0)
