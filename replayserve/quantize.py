@@ -160,7 +160,7 @@ def _chosen_modules(model: nn.Module, cfg: ModelConfig, exclude: Sequence[str] |
     patterns = (*(default_excludes(cfg) if exclude is None else exclude), *LOADS_16_BIT_ONLY.get(cfg.model_type, ()))
     rule = QuantConfig("FP8", None, patterns, "--exclude")
     quantized = {m for m in linears if not rule.is_excluded(m) and (m != "lm_head" or "lm_head.weight" in stored)}
-    check_expert_kinds(model, quantized, "--exclude")
+    check_expert_kinds(model, quantized, "--exclude", lambda m: stored_name(m, prefix))
     return quantized, [m for m in modules if m not in quantized]
 
 

@@ -285,8 +285,8 @@ def test_other_families_take_exclude_in_their_own_names(tmp_path: Path) -> None:
 
 def test_a_qwen_blocks_experts_are_quantized_all_or_none(tmp_path: Path) -> None:
     src = make_tiny(tmp_path / "src", family="qwen3_5_moe")
-    with pytest.raises(QuantizationError, match=r"quantizes backbone\.layers\.1\.mlp\.experts\.0\.gate_proj but "
-                                                r"not backbone\.layers\.1\.mlp\.experts\.2\.gate_proj"):
+    with pytest.raises(QuantizationError, match=r"quantizes model\.layers\.1\.mlp\.experts\.0\.gate_proj but "
+                                                r"not model\.layers\.1\.mlp\.experts\.2\.gate_proj"):
         quantize_checkpoint(src, tmp_path / "half", exclude=["lm_head", "model.layers.1.mlp.experts.2.gate_proj"])
     quant = quantize_checkpoint(src, tmp_path / "none", exclude=["lm_head", "model.layers.1.mlp.experts*"])
     assert "model.layers.1.mlp.experts.3.down_proj" in quant.exclude_modules

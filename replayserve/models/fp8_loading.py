@@ -23,7 +23,7 @@ per-tensor scales, and inherits the Linear's forward hooks (the row-parallel all
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -92,15 +92,16 @@ def _routed_experts(model: nn.Module) -> dict[str, list[str]]:
     return routed
 
 
-def check_expert_kinds(model: nn.Module, quantized: set[str] | frozenset[str], source: str) -> None:
+def check_expert_kinds(model: nn.Module, quantized: set[str] | frozenset[str], source: str,
+                       spell: Callable[[str], str] = str) -> None:
     """The routed experts of a MoE layer are one stack, so all FP8 or all 16-bit (else an error
-    naming a module of each kind)."""
+    naming a module of each kind, as ``spell`` writes the engine's module names)."""
     for routed in _routed_experts(model).values():
         fp8 = [m for m in routed if m in quantized]
         if fp8 and len(fp8) != len(routed):
             other = next(m for m in routed if m not in quantized)
-            raise QuantizationError(f"{source} quantizes {fp8[0]} but not {other}: a MoE layer's routed experts "
-                                    "run as one stack, so they must be all FP8 or all 16-bit")
+            raise QuantizationError(f"{source} quantizes {spell(fp8[0])} but not {spell(other)}: a MoE layer's routed "
+                                    "experts run as one stack, so they must be all FP8 or all 16-bit")
 
 
 def _shared_expert_apart(name: str, moe: MoE, quantized: set[str] | frozenset[str]) -> bool:
