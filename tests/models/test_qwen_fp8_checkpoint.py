@@ -24,8 +24,9 @@ from replayserve.models.fp8_loading import quantize_model_fp8
 from replayserve.models.loader import load_model
 from replayserve.models.quantization import QuantConfig, QuantizationError, quantizable_modules
 from replayserve.ops.dispatch import force_triton
-from replayserve.ops.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8_per_tensor, requantize_to_max_scale
+from replayserve.ops.fp8 import FP8_DTYPE, quantize_fp8_per_tensor
 from replayserve.quantize import _quantization_config
+from tests.test_quantize import dequantized  # the FP8 checkpoint in float32, experts requantized as stacked
 
 
 def stored(module: str) -> str:
@@ -55,28 +56,6 @@ def fp8_checkpoint(src: Path, out: Path, static: bool, keep: tuple[str, ...] = (
     config = json.loads((src / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**config, "quantization_config": section}))
     shutil.copy(src / "tokenizer.json", out)
-    return out
-
-
-def dequantized(fp8_dir: Path, out: Path) -> Path:
-    """The FP8 checkpoint as a float32 one: each expert's gate and up requantized to their larger
-    scale (`ops.fp8.requantize_to_max_scale`), then every FP8 weight times its scale."""
-    tensors = load_file(str(fp8_dir / "model.safetensors"))
-    plain = {n: t for n, t in tensors.items() if not n.endswith("_scale")}
-    for name, t in tensors.items():
-        if t.dtype == FP8_DTYPE:
-            plain[name] = dequantize_fp8(t, tensors[name.removesuffix("weight") + "weight_scale"])
-    for name in [n for n in tensors if ".experts." in n and n.endswith("gate_proj.weight")]:
-        gate, up = name.removesuffix(".weight"), name.replace("gate_proj", "up_proj").removesuffix(".weight")
-        codes, scale = requantize_to_max_scale([tensors[f"{gate}.weight"], tensors[f"{up}.weight"]],
-                                               [tensors[f"{gate}.weight_scale"], tensors[f"{up}.weight_scale"]])
-        plain[f"{gate}.weight"], plain[f"{up}.weight"] = dequantize_fp8(codes, scale).chunk(2)
-    out.mkdir()
-    save_file(plain, str(out / "model.safetensors"))
-    config = json.loads((fp8_dir / "config.json").read_text())
-    config.pop("quantization_config")
-    (out / "config.json").write_text(json.dumps(config))
-    shutil.copy(fp8_dir / "tokenizer.json", out)
     return out
 
 
