@@ -140,15 +140,17 @@ def consistent_history(pool: dict[str, torch.Tensor], gen: torch.Generator) -> l
     return reached
 
 
-def read_call(pool: dict[str, torch.Tensor], x: dict[str, torch.Tensor], block_v: int | None = None) -> Call:
-    """The engine's entry point, or with `block_v` the Triton step at that many state columns per program."""
+def read_call(pool: dict[str, torch.Tensor], x: dict[str, torch.Tensor], block_v: int | None = None,
+              split_decode: bool = True) -> Call:
+    """The engine's entry point, or with `block_v` the Triton step at that many state columns per program
+    (split_decode False: the fused one-kernel read instead of the coefficients + tiles pair)."""
     rows = pool["slots"].shape[0]
     ones = torch.ones(rows, dtype=torch.int32, device=pool["slots"].device)
     args = (*(pool[n] for n in RINGS), pool["ring_start"], pool["history"], pool["is_flush"], pool["slots"], ones,
             x["q"][:, None], x["k"][:, None], x["v"][:, None], x["g"][:, None], x["beta"][:, None])
-    if block_v is None:
+    if block_v is None and split_decode:
         return lambda: replay_gdn_step(*args, use_qk_l2norm=True)
-    return lambda: replay_gdn_step_triton(*args, use_qk_l2norm=True, block_v=block_v)
+    return lambda: replay_gdn_step_triton(*args, use_qk_l2norm=True, block_v=block_v, split_decode=split_decode)
 
 
 def flush_call(pool: dict[str, torch.Tensor]) -> Call:
@@ -259,9 +261,15 @@ def measure(batch: int, args: argparse.Namespace, fla: Callable | None, gen: tor
     del pools
     replay = [replay_pool(batch, args.window, device, gen) for _ in range(sets)]
     us["replay read"] = time_calls([read_call(p, x) for p in replay], device, args.graph, args.iters)
-    for block_v in args.block_v:  # the read kernel's columns per program, swept
+    if device.startswith("cuda"):
+        us["replay read, fused"] = time_calls([read_call(p, x, split_decode=False) for p in replay], device,
+                                              args.graph, args.iters)
+    for block_v in args.block_v:  # the read's columns per program, swept (both read paths)
         us[f"replay read, block_v {block_v}"] = time_calls([read_call(p, x, block_v) for p in replay], device,
                                                            args.graph, args.iters)
+        if device.startswith("cuda"):
+            us[f"replay read, fused, block_v {block_v}"] = time_calls(
+                [read_call(p, x, block_v, split_decode=False) for p in replay], device, args.graph, args.iters)
     for p in replay:  # the steady state: the rows at history W (one in W) flush, as replay_prepare sets them
         p["is_flush"].copy_(p["history"] == args.window)
     us["replay step"] = time_calls([read_call(p, x) for p in replay], device, args.graph, args.iters)

@@ -17,6 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
 import triton
 import triton.backends.nvidia
 from triton.backends.compiler import GPUTarget
@@ -24,7 +25,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from replayserve.ops import gated_delta_triton, replay_gdn_triton  # noqa: E402
+from replayserve.ops import gated_delta_triton, replay_gdn_decode_triton, replay_gdn_triton  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.backends.nvidia.__file__).parent / "bin" / "cuobjdump"
@@ -32,7 +33,7 @@ POOL = {"state_ptr": "*fp32", "k_ring_ptr": "*bf16", "d_ring_ptr": "*fp32", "g_r
         "ring_start_ptr": "*i32", "history_ptr": "*i32", "is_flush_ptr": "*i1", "slots_ptr": "*i64",
         "ntok_ptr": "*i32", "src_ptr": "*i64", "dst_ptr": "*i64", "start_ptr": "*i32", "n_ptr": "*i32",
         "idx_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*fp32",
-        "beta_ptr": "*fp32", "o_ptr": "*bf16", "out_ptr": "*fp32", "scale": "fp32"}
+        "beta_ptr": "*fp32", "o_ptr": "*bf16", "out_ptr": "*fp32", "coef_ptr": "*fp32", "scale": "fp32"}
 
 
 def resources(kernel: triton.JITFunction, constexprs: dict, num_warps: int) -> str:
@@ -54,7 +55,12 @@ def main() -> None:
     tile = {"L2NORM": True, "BLOCK_E": 32, "BLOCK_K": 128, "BLOCK_V": 32, "PRECISION": replay_gdn_triton.PRECISION}
     read = dict(tile, BLOCK_T=1, BLOCK_C=128, DOT=False)
     cases = [
-        ("replay read, T = 1 (4 warps)", replay_gdn_triton._replay_gdn_read_kernel, read, 4),
+        ("replay read, T = 1, fused (4 warps)", replay_gdn_triton._replay_gdn_read_kernel, read, 4),
+        ("replay decode coefficients (4 warps)", replay_gdn_decode_triton._replay_gdn_coef_kernel,
+         {"L2NORM": True, "BLOCK_E": 32, "BLOCK_K": 128}, 4),
+        ("replay decode tile (4 warps)", replay_gdn_decode_triton._replay_gdn_tile_kernel,
+         {"K_RING_DTYPE": replay_gdn_decode_triton._TL_DTYPES[torch.bfloat16], "BLOCK_E": 32, "BLOCK_K": 128,
+          "BLOCK_V": 32}, 4),
         ("replay read, T = 4 (8 warps)", replay_gdn_triton._replay_gdn_read_kernel,
          dict(read, BLOCK_T=16, BLOCK_C=32, DOT=True), 8),
         ("replay flush (4 warps)", replay_gdn_triton._replay_gdn_flush_kernel, dict(tile, BLOCK_ROWS=256), 4),

@@ -40,6 +40,7 @@ import triton.language as tl
 from torch import Tensor
 
 from replayserve.ops.replay_flush_triton import flushing_rows
+from replayserve.ops.replay_gdn_decode_triton import replay_gdn_decode_read
 
 
 @triton.jit
@@ -333,7 +334,7 @@ def replay_gdn_step_triton(
     state: Tensor, k_ring: Tensor, delta_ring: Tensor, g_ring: Tensor,
     ring_start: Tensor, history: Tensor, is_flush: Tensor, slots: Tensor, num_tokens: Tensor,
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-    scale: float | None = None, use_qk_l2norm: bool = False, block_v: int | None = None,
+    scale: float | None = None, use_qk_l2norm: bool = False, block_v: int | None = None, split_decode: bool = True,
 ) -> Tensor:
     """``replay_gdn_step_ref`` on GPU (or the Triton interpreter): the read kernel, then the flush.
 
@@ -341,7 +342,9 @@ def replay_gdn_step_triton(
     int64 (-1 or a pad slot for padding), num_tokens (rows,) int, q, k (rows, T, Hk, K),
     v (rows, T, Hv, V), g, beta (rows, T, Hv). Returns o (rows, T, Hv, V) in v's dtype. The pool's
     shapes are checked by the entry point (``replay_gdn.replay_gdn_step``). block_v: state columns
-    per program (None: about 4K state elements per program).
+    per program (None: about 4K state elements per program). split_decode: a decode step (T = 1) reads
+    by ``replay_gdn_decode_triton``'s two kernels (the key products once per key head); False runs
+    the fused read kernel at T = 1 too (kept to time the two side by side).
     """
     (hv, dk, dv), hk, ring_len = state.shape[1:], k_ring.shape[1], g_ring.shape[2]
     rows, tokens = v.shape[:2]
@@ -355,11 +358,17 @@ def replay_gdn_step_triton(
     if rows == 0:
         return o
     block_v = _block_v(dk, dv, block_v)
+    scale = dk ** -0.5 if scale is None else scale
+    if tokens == 1 and split_decode:
+        o = replay_gdn_decode_read(state, k_ring, delta_ring, g_ring, ring_start, history, slots, q, k, v, g, beta,
+                                   scale, use_qk_l2norm, block_v)
+        _flush(state, k_ring, delta_ring, g_ring, ring_start, history, is_flush, slots, use_qk_l2norm, block_v)
+        return o
     block_t = 1 if tokens == 1 else max(16, triton.next_power_of_2(tokens))
     block_k = max(16, triton.next_power_of_2(dk))
     _replay_gdn_read_kernel[(triton.cdiv(dv, block_v), hv, rows)](
         state, k_ring, delta_ring, g_ring, ring_start, history, slots, num_tokens, q, k, v, g, beta, o,
-        dk ** -0.5 if scale is None else scale, tokens, ring_len, dk, dv, hv // hk,
+        scale, tokens, ring_len, dk, dv, hv // hk,
         *_pool_strides(state, k_ring, delta_ring, g_ring),
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *o.stride(),
         L2NORM=use_qk_l2norm, BLOCK_E=max(16, triton.next_power_of_2(ring_len)), BLOCK_T=block_t,

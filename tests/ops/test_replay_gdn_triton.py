@@ -24,7 +24,7 @@ def _pool(gen, slots, hk, hv, dk, dv, ring_len):
             randn(slots, hv, ring_len)]
 
 
-def _drive(shape, window, t, steps, l2norm, seed=0, block_v=None):
+def _drive(shape, window, t, steps, l2norm, seed=0, block_v=None, split_decode=True):
     hk, hv, dk, dv = shape
     gen = torch.Generator().manual_seed(seed)
     live, free, ring_len = 3, 2, window + t
@@ -47,7 +47,8 @@ def _drive(shape, window, t, steps, l2norm, seed=0, block_v=None):
         slots, n = slots.to(DEVICE), n.to(DEVICE)
         replay_prepare_ref(*cursors, slots, n, torch.zeros(live, dtype=torch.bool, device=DEVICE), window)
         flushes += int(cursors[2][slots[slots >= 0]].sum())
-        o = tk.replay_gdn_step_triton(*pool, *cursors, slots, n, *inputs, use_qk_l2norm=l2norm, block_v=block_v)
+        o = tk.replay_gdn_step_triton(*pool, *cursors, slots, n, *inputs, use_qk_l2norm=l2norm, block_v=block_v,
+                                      split_decode=split_decode)
         o64 = ref.replay_gdn_step_ref(*pool64, *cursors, slots, n, *(x.double() for x in inputs), use_qk_l2norm=l2norm)
         torch.testing.assert_close(o.double(), o64, rtol=TOL[0], atol=TOL[1])
         for x, x64 in zip(pool, pool64, strict=True):
@@ -68,19 +69,21 @@ def _drive(shape, window, t, steps, l2norm, seed=0, block_v=None):
 
 
 @pytest.mark.parametrize("l2norm", [True, False])
-@pytest.mark.parametrize(("shape", "window", "t"), [
-    pytest.param((1, 2, 16, 16), 4, 3, id="hk1-hv2-k16-v16-W4-T3"),
-    pytest.param((2, 4, 16, 32), 3, 1, id="hk2-hv4-k16-v32-W3-T1"),
-    pytest.param((1, 2, 32, 16), 12, 4, id="hk1-hv2-k32-v16-W12-T4"),
+@pytest.mark.parametrize(("shape", "window", "t", "split_decode"), [  # split_decode: T = 1's two read paths
+    pytest.param((1, 2, 16, 16), 4, 3, True, id="hk1-hv2-k16-v16-W4-T3"),
+    pytest.param((2, 4, 16, 32), 3, 1, True, id="hk2-hv4-k16-v32-W3-T1-split"),
+    pytest.param((2, 4, 16, 32), 3, 1, False, id="hk2-hv4-k16-v32-W3-T1-fused"),
+    pytest.param((1, 2, 32, 16), 12, 4, True, id="hk1-hv2-k32-v16-W12-T4"),
 ])
-def test_step_and_materialize_match_the_reference(shape, window, t, l2norm):
-    assert _drive(shape, window, t, steps=2 * window + 4, l2norm=l2norm) > 0
+def test_step_and_materialize_match_the_reference(shape, window, t, l2norm, split_decode):
+    assert _drive(shape, window, t, steps=2 * window + 4, l2norm=l2norm, split_decode=split_decode) > 0
 
 
 @pytest.mark.parametrize("block_v", [128, 64, None])  # None: 4 V tiles of 32, as the Qwen3.5 shape runs
-@pytest.mark.parametrize("t", [1, 2])
-def test_head_dim_128(block_v, t):
-    assert _drive((1, 1, 128, 128), 4, t, steps=8, l2norm=True, seed=1, block_v=block_v) > 0
+@pytest.mark.parametrize(("t", "split_decode"), [(1, True), (1, False), (2, True)])
+def test_head_dim_128(block_v, t, split_decode):
+    assert _drive((1, 1, 128, 128), 4, t, steps=8, l2norm=True, seed=1, block_v=block_v,
+                  split_decode=split_decode) > 0
 
 
 def test_entry_points_take_the_kernels_under_force_triton():
