@@ -3,8 +3,9 @@
 GEMV at one row), in CUDA graphs, weights cycled beyond L2 as ``bench_gemv.py`` does.
 
 Each row prints microseconds and the weight-read rate against the copy bandwidth (FP8 reads half
-the bytes, so its roofline time is half bf16's). ``--sweep`` times FP8 GEMV tiles per shape at one
-row and prints the best beside ``fp8_gemv_tiles``' pick.
+the bytes, so its roofline time is half bf16's), the FP8 GEMV both ways it widens the weights
+(int32 words and integer ops, the default; FP8 loads and conversion instructions). ``--sweep`` times
+the default's tiles per shape at one row and prints the best beside ``fp8_gemv_tiles``' pick.
 
     python benchmarks/bench_fp8_gemv.py            # CUDA only, ~1 min
     python benchmarks/bench_fp8_gemv.py --sweep
@@ -28,7 +29,7 @@ from roofline import measure_rates  # noqa: E402
 
 from replayserve.ops.fp8 import quantize_fp8_per_tensor  # noqa: E402
 from replayserve.ops.fp8_gemm import fp8_scaled_mm  # noqa: E402
-from replayserve.ops.fp8_gemv_triton import _fp8_gemv_kernel, fp8_gemv_tiles, fp8_gemv_triton  # noqa: E402
+from replayserve.ops.fp8_gemv_triton import _fp8_gemv_kernel, fp8_gemv_tiles, fp8_gemv_triton, packed_words  # noqa: E402
 from replayserve.ops.gemv_triton import gemv_triton  # noqa: E402
 
 ROWS = (1, 4, 8)
@@ -56,10 +57,11 @@ def sweep_shape(copies: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor
         def call(ws: tuple[torch.Tensor, torch.Tensor], bn: int = bn, bk: int = bk, warps: int = warps,
                  stages: int = stages) -> None:
             w, s = ws
+            words = packed_words(w)  # the packed path, as fp8_gemv_triton takes it: K / 4 words a row
             _fp8_gemv_kernel[(triton.cdiv(n, bn),)](
-                x, w, s, x_scale, None, y, 1, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0),
-                FP8_LIMIT=448.0, QUANT_X=True, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                num_stages=stages)
+                x, words, s, x_scale, None, y, 1, n, k // 4, x.stride(0), x.stride(1), words.stride(0), 1,
+                y.stride(0), FP8_LIMIT=448.0, QUANT_X=True, HAS_BIAS=False, PACKED=True, BLOCK_M=1, BLOCK_N=bn,
+                BLOCK_K=bk // 4, num_warps=warps, num_stages=stages)
 
         rows.append((cycled_us(copies, call), tiles))
     return sorted(rows)
@@ -72,7 +74,9 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     bandwidth = measure_rates(torch.device("cuda"), torch.bfloat16)["copy_bytes_per_s"]
     print(f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e9:.0f} GB/s")
-    print(f"{'projection':14s} {'rows':>4s} {'bf16 cuBLAS':>11s} {'bf16 GEMV':>9s} {'fp8 GEMV':>8s} "
+    print("fp8 GEMV: weights read as int32 words, widened by integer ops (the default); fp8 loads: widened by "
+          "FP8 conversion instructions (packed=False)")
+    print(f"{'projection':14s} {'rows':>4s} {'bf16 cuBLAS':>11s} {'bf16 GEMV':>9s} {'fp8 GEMV':>8s} {'fp8 loads':>9s} "
           f"{'scaled_mm':>9s} {'fp8 GEMV roof':>13s} {'vs best bf16':>12s}")
     for name in args.shapes:
         k, n = SHAPES[name]
@@ -84,13 +88,14 @@ def main(argv: list[str] | None = None) -> None:
             t_cublas = cycled_us(bf16, lambda w: F.linear(x, w))  # noqa: B023
             t_gemv = cycled_us(bf16, lambda w: gemv_triton(x, w)) if rows == 1 else float("nan")  # noqa: B023
             t_fp8 = cycled_us(fp8, lambda ws: fp8_gemv_triton(x, ws[0], ws[1], x_scale))  # noqa: B023
+            t_loads = cycled_us(fp8, lambda ws: fp8_gemv_triton(x, ws[0], ws[1], x_scale, packed=False))  # noqa: B023
             t_mm: float | str = "-"
             if n % 16 == 0 and k % 16 == 0:
                 t_mm = cycled_us(fp8, lambda ws: fp8_scaled_mm(x, ws[0], ws[1], x_scale))  # noqa: B023
             floor_us = n * k / bandwidth * 1e6
             best_bf16 = min(t_cublas, t_gemv) if rows == 1 else t_cublas
             mm = f"{t_mm:9.1f}" if isinstance(t_mm, float) else f"{t_mm:>9s}"
-            print(f"{name:14s} {rows:4d} {t_cublas:11.1f} {t_gemv:9.1f} {t_fp8:8.1f} {mm} "
+            print(f"{name:14s} {rows:4d} {t_cublas:11.1f} {t_gemv:9.1f} {t_fp8:8.1f} {t_loads:9.1f} {mm} "
                   f"{floor_us / t_fp8:13.0%} {best_bf16 / t_fp8:11.2f}x", flush=True)
         if args.sweep:
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)

@@ -5,6 +5,14 @@ fp32 in registers and every row of x in the tile is multiplied by the same W til
 for up to ``FP8_GEMV_MAX_ROWS`` rows, where the bf16 kernel rereads it per row). The weight scale
 (and the input scale) multiply the fp32 sums once, at the end.
 
+Widening: FP8 -> fp32 by conversion instructions takes 1.5 of them per weight (e4m3x2 -> f16x2, then
+f16 -> f32), and sm_90 issues 16 conversions a clock per SM: about 10.7 weights (bytes) a clock, under
+the ~12.7 a clock per SM that an H100's copy bandwidth delivers. An H100 sweep of those tiles topped
+out at 75% of copy bandwidth (8B in_proj: 34.5 us), the bf16 GEMV at 92%. So where the weight's
+rows are 4-byte aligned (``packed_words``) the kernel reads int32 words of 4 weights and widens each
+byte with three integer ops into an fp32 that is its value times 2^-120 (``_widen_byte``); x is
+scaled by 2^64 and the sums by 2^56 to match. The FP8-load path stays for other layouts.
+
 With an ``input_scale`` the activations are rounded through FP8 with it first, in registers, so
 the result is the ModelOpt FP8 Linear of ``fp8_linear_ref`` (the same numbers as the
 ``_scaled_mm`` prefill path, up to summation order); without one they stay 16-bit (FP8 weights,
@@ -26,10 +34,30 @@ from torch import Tensor
 from replayserve.ops.fp8 import FP8_DTYPE, FP8_GEMV_MAX_ROWS, FP8_MAX
 from replayserve.ops.gemv_triton import gemv_tiles
 
+# 2^64 and 2^56: the packed path's widened weights are w * 2^-120 (``_widen_byte``), so it multiplies x by
+# 2^64 and the sums by 2^56: powers of two, exact unless |x| >= 2^64 or a product |w x| < 2^-70 lands
+# in fp32's subnormals (1e-21 of an activation: below any bf16 output's rounding).
+X_SHIFT = tl.constexpr(2.0**64)
+Y_SHIFT = tl.constexpr(2.0**56)
+# 0x87F00000 as an int32: the sign bit and the 7 bits of exponent and mantissa, placed as ``_widen_byte`` says.
+_FP32_FIELDS = tl.constexpr(0x87F00000 - 2**32)
+
+
+@triton.jit
+def _widen_byte(words, J: tl.constexpr):
+    """FP8 e4m3 byte J of each int32 word (little-endian: element 4 i + J) -> fp32 equal to its value
+    times 2^-120, by integer ops only: the byte's sign goes to bit 31 and its 7 other bits (exponent,
+    mantissa) to bits 20..26, i.e. an fp32 exponent field e and mantissa m/8 for the e4m3 fields e, m;
+    fp32's bias (127) against e4m3's (7) makes it the value times 2^-120, subnormals (e = 0) included.
+    The byte is shifted to the top, then arithmetically 4 to the right (the sign fills bits 27..31)."""
+    if J < 3:
+        words = words << (24 - 8 * J)
+    return ((words >> 4) & _FP32_FIELDS).to(tl.float32, bitcast=True)
+
 
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, xs_ptr, b_ptr, y_ptr, M, N, K, s_xm, s_xk, s_wn, s_wk, s_ym,
-                     FP8_LIMIT: tl.constexpr, QUANT_X: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     FP8_LIMIT: tl.constexpr, QUANT_X: tl.constexpr, HAS_BIAS: tl.constexpr, PACKED: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -40,24 +68,43 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, xs_ptr, b_ptr, y_ptr, M, N, K, s_xm, 
     x_scale = 1.0
     if QUANT_X:
         x_scale = tl.load(xs_ptr).to(tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        w = tl.load(w_rows + offs_k[None, :] * s_wk, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        x = tl.load(x_rows + offs_k[None, :] * s_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        x = x.to(tl.float32)
-        if QUANT_X:
-            # IEEE division (div_rn), as quantize_fp8: Triton's `/` (div.full.f32, within 2 ulp) rounds a
-            # quotient near an FP8 boundary to the other code now and then (an H100 saw it in float16)
-            x = tl.minimum(tl.maximum(tl.math.div_rn(x, x_scale), -FP8_LIMIT), FP8_LIMIT).to(tl.float8e4nv)
-            x = x.to(tl.float32)
-        acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
-    y = tl.sum(acc, axis=2) * (tl.load(ws_ptr).to(tl.float32) * x_scale)
+    if PACKED:  # w_ptr: int32 words of 4 FP8 weights (K, s_wn in words, s_wk 1); BLOCK_K words per step
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            words = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0)
+            for j in tl.static_range(4):
+                x = tl.load(x_rows + (4 * offs_k[None, :] + j) * s_xk, mask=mask_m[:, None] & mask_k[None, :],
+                            other=0.0)
+                x = _input(x, x_scale, FP8_LIMIT, QUANT_X) * X_SHIFT
+                acc += _widen_byte(words, j)[None, :, :] * x[:, None, :]
+        y = tl.sum(acc, axis=2) * (tl.load(ws_ptr).to(tl.float32) * x_scale * Y_SHIFT)
+    else:  # FP8 loads widened by conversion instructions (cvt: 16 a clock per SM on sm_90)
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            w = tl.load(w_rows + offs_k[None, :] * s_wk, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            x = tl.load(x_rows + offs_k[None, :] * s_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            acc += w.to(tl.float32)[None, :, :] * _input(x, x_scale, FP8_LIMIT, QUANT_X)[:, None, :]
+        y = tl.sum(acc, axis=2) * (tl.load(ws_ptr).to(tl.float32) * x_scale)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * s_ym + offs_n[None, :]
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _input(x, x_scale, FP8_LIMIT: tl.constexpr, QUANT_X: tl.constexpr):
+    """x in fp32, rounded through FP8 with x_scale if QUANT_X (the ModelOpt FP8 Linear's input)."""
+    x = x.to(tl.float32)
+    if QUANT_X:
+        # IEEE division (div_rn), as quantize_fp8: Triton's `/` (div.full.f32, within 2 ulp) rounds a
+        # quotient near an FP8 boundary to the other code now and then (an H100 saw it in float16)
+        x = tl.minimum(tl.maximum(tl.math.div_rn(x, x_scale), -FP8_LIMIT), FP8_LIMIT).to(tl.float8e4nv)
+        x = x.to(tl.float32)
+    return x
 
 
 def fp8_gemv_tiles(rows: int, k: int) -> tuple[int, int, int, int]:
@@ -78,7 +125,7 @@ def fp8_gemv_tiles(rows: int, k: int) -> tuple[int, int, int, int]:
 
 
 def fp8_gemv_triton(x: Tensor, weight: Tensor, weight_scale: Tensor, input_scale: Tensor | None = None,
-                    bias: Tensor | None = None) -> Tensor:
+                    bias: Tensor | None = None, packed: bool | None = None) -> Tensor:
     """``fp8_linear_ref(x, weight, weight_scale, input_scale, bias)`` in one launch; any strides.
     The grid depends on shapes only and the scales are read on the device (CUDA-graph safe).
 
@@ -88,6 +135,10 @@ def fp8_gemv_triton(x: Tensor, weight: Tensor, weight_scale: Tensor, input_scale
         weight_scale, input_scale: one-element float tensors on x's device; input_scale None keeps
             x unrounded.
         bias: (N,) or None.
+        packed: read the weight as int32 words of 4 FP8 values and widen them by integer ops
+            (``_widen_byte``) rather than by FP8 conversion instructions, which cap the read below the
+            copy bandwidth on sm_90 (1.5 conversions per weight at 16 a clock per SM); None: where
+            the weight's layout allows (``packed_words``), False: never.
 
     Returns:
         (M, N) in x.dtype.
@@ -107,8 +158,23 @@ def fp8_gemv_triton(x: Tensor, weight: Tensor, weight_scale: Tensor, input_scale
     rows = x.shape[0]
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     block_m, block_n, block_k, warps = fp8_gemv_tiles(rows, k)
+    words = packed_words(weight) if packed is not False else None
+    if packed and words is None:
+        raise ValueError(f"packed=True needs a weight of 4-byte-aligned rows of contiguous bytes, got strides "
+                         f"{weight.stride()} and K={k}")
+    w, kw, s_wn = (words, k // 4, words.stride(0)) if words is not None else (weight, k, weight.stride(0))
     _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, weight_scale, input_scale, bias, y, rows, n, k, x.stride(0), x.stride(1), weight.stride(0),
+        x, w, weight_scale, input_scale, bias, y, rows, n, kw, x.stride(0), x.stride(1), s_wn,
         weight.stride(1), y.stride(0), FP8_LIMIT=FP8_MAX, QUANT_X=input_scale is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+        PACKED=words is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k // 4 if words is not None else block_k, num_warps=warps)
     return y
+
+
+def packed_words(weight: Tensor) -> Tensor | None:
+    """The (N, K) FP8 weight as (N, K / 4) int32 words (a view), or None where its rows are not runs of
+    4-byte-aligned contiguous bytes (K % 4, a column stride, a row stride or offset not a multiple of 4)."""
+    if (weight.shape[1] % 4 or weight.stride(1) != 1 or weight.stride(0) % 4 or weight.storage_offset() % 4
+            or weight.untyped_storage().data_ptr() % 4):
+        return None
+    return weight.view(torch.int32)

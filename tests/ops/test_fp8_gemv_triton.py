@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from replayserve.ops.fp8 import FP8_DTYPE, fp8_linear_ref, fp8_scale, quantize_fp8, quantize_fp8_per_tensor
-from replayserve.ops.fp8_gemv_triton import FP8_GEMV_MAX_ROWS, fp8_gemv_tiles, fp8_gemv_triton
+from replayserve.ops.fp8_gemv_triton import FP8_GEMV_MAX_ROWS, fp8_gemv_tiles, fp8_gemv_triton, packed_words
 from replayserve.ops.gemv_triton import gemv_tiles
 
 CUDA = torch.cuda.is_available()
@@ -31,19 +31,23 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "fp8-loads"])
 @pytest.mark.parametrize(("rows", "n", "k", "bias"), [(1, 10, 700, True), (1, 37, 1500, False), (3, 9, 5000, True),
                                                       (8, 5, 16400, False), (5, 33, 300, True)])
-def test_fp8_gemv_without_input_scale_matches_float64(dtype: torch.dtype, rows: int, n: int, k: int,
+def test_fp8_gemv_without_input_scale_matches_float64(dtype: torch.dtype, packed: bool, rows: int, n: int, k: int,
                                                       bias: bool) -> None:
     """Each of the three K tile ranges; 1, a non-power-of-two and the largest row count; N not a
-    multiple of the row tile, K not of the column tile; a strided x and a strided weight."""
+    multiple of the row tile, K not of the column tile; a strided x. The weight: rows 4-byte aligned
+    with a row stride beyond K (read as int32 words), or a column stride of 2 (FP8 loads)."""
     gen = torch.Generator().manual_seed(n * rows)
     wide = torch.randn(rows, 2 * k, generator=gen, dtype=F64)
     w_q, w_s = fp8_weight(gen, n, k)
     b = torch.randn(n, generator=gen, dtype=F64) if bias else None
     x = wide[:, ::2].to(DEVICE, dtype)  # column stride 2
-    w_strided = torch.empty(n, 2 * k, dtype=FP8_DTYPE, device=DEVICE)[:, ::2]
+    buffer = torch.empty(n, 2 * k, dtype=FP8_DTYPE, device=DEVICE)
+    w_strided = buffer[:, 4:k + 4] if packed else buffer[:, ::2]
     w_strided.copy_(w_q)
+    assert (packed_words(w_strided) is not None) == packed
     got = fp8_gemv_triton(x, w_strided, w_s.to(DEVICE), None, None if b is None else b.to(DEVICE, dtype))
     assert got.shape == (rows, n) and got.dtype == dtype
     want = fp8_linear_ref(x.double().cpu(), w_q, w_s, None, None if b is None else b.to(dtype).double())
@@ -103,3 +107,23 @@ def test_fp8_gemv_rejects_what_it_does_not_take() -> None:
         fp8_gemv_triton(torch.zeros(1, 8, device=DEVICE), w.float(), s)
     with pytest.raises(ValueError, match="one value each"):
         fp8_gemv_triton(torch.zeros(1, 8, device=DEVICE), w, torch.ones(2, device=DEVICE))
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "fp8-loads"])
+def test_fp8_gemv_widens_every_fp8_value_exactly(packed: bool) -> None:
+    """Every e4m3 code but the two NaNs (subnormals, both zeros, +-448) at each of the 4 byte positions
+    of an int32 word: one-hot rows of x pick single weights, which must come back exactly."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    k = 4
+    index = (torch.arange(len(codes))[:, None] + 67 * torch.arange(k)[None, :]) % len(codes)
+    weight = codes[index].view(FP8_DTYPE)  # (254, 4): every code once per column, other codes beside it
+    x = torch.eye(k, dtype=torch.float32)
+    got = fp8_gemv_triton(x.to(DEVICE), weight.to(DEVICE), torch.ones((), device=DEVICE), packed=packed)
+    want = weight.float().T
+    assert torch.equal(got.cpu(), want), (got.cpu() - want).abs().max()
+
+
+def test_fp8_gemv_packed_refuses_what_it_cannot_read_as_words() -> None:
+    w = torch.zeros(4, 10, dtype=FP8_DTYPE, device=DEVICE)
+    with pytest.raises(ValueError, match="packed=True needs"):
+        fp8_gemv_triton(torch.zeros(1, 10, device=DEVICE), w, torch.ones((), device=DEVICE), packed=True)
