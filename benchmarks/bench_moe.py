@@ -189,10 +189,11 @@ def profile_kernels(moe: MoE, x: torch.Tensor, replays: int = 20) -> dict[str, f
 
 
 def candidates(block_m: int) -> list[GemmConfig]:
-    """Tiles around a default block_m: half to twice it, 16 to 128."""
+    """Tiles around a default block_m: half to twice it, 16 to 128; 16-row (decode) tiles also swapped
+    (``GemmConfig.swap_ab``: the weight tile as the dot's left operand)."""
     ms = sorted({m for m in (block_m // 2, block_m, 2 * block_m) if 16 <= m <= 128})
-    return [GemmConfig(m, n, k, w, st) for m in ms for n in (16, 32, 64, 128) for k in (64, 128, 256) for w in (4, 8)
-            for st in (3, 4)]
+    return [GemmConfig(m, n, k, w, st, swap) for m in ms for n in (16, 32, 64, 128) for k in (64, 128, 256)
+            for w in (4, 8) for st in (3, 4) for swap in ((False, True) if m == 16 else (False,))]
 
 
 @torch.no_grad()

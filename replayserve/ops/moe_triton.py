@@ -42,7 +42,7 @@ def _grouped_gemm_kernel(
     num_pairs, n_out, k_in, pairs_per_row, last_scale,
     s_a_r, s_a_k, s_w_e, s_w_n, s_w_k, s_o_p, s_o_n,
     ACT: tl.constexpr, WEIGHTED: tl.constexpr, W_SCALED: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):  # past the last expert's blocks
@@ -53,20 +53,38 @@ def _grouped_gemm_kernel(
     row = (pair // pairs_per_row).to(tl.int64)  # x is read once per token, the intermediate per pair
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + row[:, None] * s_a_r + offs_k[None, :] * s_a_k
-    w_ptrs = w_ptr + expert * s_w_e + offs_n[None, :].to(tl.int64) * s_w_n + offs_k[:, None] * s_w_k
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # SwiGLU's up half: rows n_out + n of the weight
-    for k0 in range(0, k_in, BLOCK_K):
-        in_k = offs_k < k_in - k0
-        a = tl.load(a_ptrs, mask=live[:, None] & in_k[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=in_k[:, None] & (offs_n[None, :] < n_out), other=0.0)
-        acc = tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)  # FP8 widened exactly; else a no-op
-        if ACT == 2:
-            w_up = tl.load(w_ptrs + n_out * s_w_n, mask=in_k[:, None] & (offs_n[None, :] < n_out), other=0.0)
-            up = tl.dot(a, w_up.to(a.dtype), up, input_precision=PRECISION)
-        a_ptrs += BLOCK_K * s_a_k
-        w_ptrs += BLOCK_K * s_w_k
+    if SWAP_AB:  # out^T = W x^T: the weight tile is the dot's left operand, (N, K) as stored (K-major)
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        up_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        a_ptrs = a_ptr + row[None, :] * s_a_r + offs_k[:, None] * s_a_k
+        w_ptrs = w_ptr + expert * s_w_e + offs_n[:, None].to(tl.int64) * s_w_n + offs_k[None, :] * s_w_k
+        for k0 in range(0, k_in, BLOCK_K):
+            in_k = offs_k < k_in - k0
+            a = tl.load(a_ptrs, mask=in_k[:, None] & live[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=(offs_n[:, None] < n_out) & in_k[None, :], other=0.0)
+            acc_t = tl.dot(w.to(a.dtype), a, acc_t, input_precision=PRECISION)
+            if ACT == 2:
+                w_up = tl.load(w_ptrs + n_out * s_w_n, mask=(offs_n[:, None] < n_out) & in_k[None, :], other=0.0)
+                up_t = tl.dot(w_up.to(a.dtype), a, up_t, input_precision=PRECISION)
+            a_ptrs += BLOCK_K * s_a_k
+            w_ptrs += BLOCK_K * s_w_k
+        acc = tl.trans(acc_t)
+        up = tl.trans(up_t)
+    else:
+        a_ptrs = a_ptr + row[:, None] * s_a_r + offs_k[None, :] * s_a_k
+        w_ptrs = w_ptr + expert * s_w_e + offs_n[None, :].to(tl.int64) * s_w_n + offs_k[:, None] * s_w_k
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # SwiGLU's up half: rows n_out + n of the weight
+        for k0 in range(0, k_in, BLOCK_K):
+            in_k = offs_k < k_in - k0
+            a = tl.load(a_ptrs, mask=live[:, None] & in_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=in_k[:, None] & (offs_n[None, :] < n_out), other=0.0)
+            acc = tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)  # FP8 widened exactly; else a no-op
+            if ACT == 2:
+                w_up = tl.load(w_ptrs + n_out * s_w_n, mask=in_k[:, None] & (offs_n[None, :] < n_out), other=0.0)
+                up = tl.dot(a, w_up.to(a.dtype), up, input_precision=PRECISION)
+            a_ptrs += BLOCK_K * s_a_k
+            w_ptrs += BLOCK_K * s_w_k
     if W_SCALED:  # experts past the last scale are the folded shared expert's pieces: one stored scale
         w_scale = tl.load(w_scale_ptr + tl.minimum(expert, last_scale)).to(tl.float32)
         acc = acc * w_scale
@@ -111,6 +129,11 @@ class GemmConfig:
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    # Decode tiles computed as out^T = W x^T: the (N, K) weight tile, K-major as stored, is the dot's left
+    # operand (sm_90: a 64 x 16 wgmma) instead of a (K, N) right operand. Built for sm_90, a 16 x 64 x 256
+    # FP8 tile of the plain form moves its weights through shared memory a byte at a time (128 byte
+    # stores and loads per thread and K step); the swapped form loads them with cp.async. Untimed.
+    swap_ab: bool = False
 
 
 def default_config(num_pairs: int, num_experts: int, weight_bytes: int = 2, act_bytes: int = 2,
@@ -201,7 +224,7 @@ def fused_moe_triton(x: Tensor, w_up: Tensor, w_down: Tensor, ids: Tensor, weigh
     weights = weights.reshape(-1).contiguous()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models: no TF32 rounding, as PyTorch's
     common = dict(W_SCALED=scales is not None, PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                  BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  BLOCK_K=cfg.block_k, SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     up_scale, down_scale = scales or (None, None)
     last_scale = 0 if scales is None else up_scale.numel() - 1
     inter = torch.empty(num_pairs, inner, dtype=x.dtype, device=x.device)

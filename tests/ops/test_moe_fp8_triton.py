@@ -35,21 +35,26 @@ def dequantized(stack: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.stack([dequantize_fp8(w, scale[min(e, len(scale) - 1)], F64) for e, w in enumerate(stack)])
 
 
-def tiles(num_pairs: int, num_experts: int) -> GemmConfig | None:
+def tiles(num_pairs: int, num_experts: int, swap_ab: bool = False) -> GemmConfig | None:
+    """As test_moe_triton's ``_small_tiles``: the defaults on CUDA (64-wide tiles when swapped), 16-wide
+    tiles in the interpreter."""
     if DEVICE == "cuda":
-        return None
-    return GemmConfig(block_m=default_config(num_pairs, num_experts).block_m, block_n=16, block_k=16)
+        block_m = default_config(num_pairs, num_experts).block_m
+        return GemmConfig(block_m=block_m, block_n=64, block_k=64, swap_ab=True) if swap_ab else None
+    return GemmConfig(block_m=default_config(num_pairs, num_experts).block_m, block_n=16, block_k=16, swap_ab=swap_ab)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["plain", "swapped"])
 @pytest.mark.parametrize(("num_tokens", "num_experts", "top_k", "width", "inner", "shared_pieces"), [
     (1, 8, 2, 32, 48, 0),     # a decode step
     (1, 10, 4, 32, 16, 2),    # the last 2 experts: one shared expert's pieces, one scale between them
     (7, 16, 3, 24, 40, 0),    # odd sizes, idle experts
     (40, 6, 2, 16, 32, 1),    # many tokens a block
 ])
-def test_fp8_experts_equal_the_dequantized_reference(dtype: torch.dtype, num_tokens: int, num_experts: int,
-                                                      top_k: int, width: int, inner: int, shared_pieces: int) -> None:
+def test_fp8_experts_equal_the_dequantized_reference(dtype: torch.dtype, swap_ab: bool, num_tokens: int,
+                                                      num_experts: int, top_k: int, width: int, inner: int,
+                                                      shared_pieces: int) -> None:
     gen = torch.Generator().manual_seed(num_tokens * 13 + num_experts)
     w_up, s_up = fp8_stack(num_experts, inner, width, gen)
     w_down, s_down = fp8_stack(num_experts, width, inner, gen)
@@ -65,7 +70,7 @@ def test_fp8_experts_equal_the_dequantized_reference(dtype: torch.dtype, num_tok
     x_dev = x.to(DEVICE, dtype)
     scales = (s_up.to(DEVICE), s_down.to(DEVICE))
     got = fused_moe_triton(x_dev, w_up.to(DEVICE), w_down.to(DEVICE), ids.to(DEVICE, torch.int32),
-                           weights.to(DEVICE), config=tiles(num_tokens * top_k, num_experts), scales=scales)
+                           weights.to(DEVICE), config=tiles(num_tokens * top_k, num_experts, swap_ab), scales=scales)
     assert got.dtype == dtype and got.shape == (num_tokens, width)
     x64 = x_dev.cpu().double()
     want = fused_moe_ref(x64, dequantized(w_up, s_up), dequantized(w_down, s_down), ids, weights.double())

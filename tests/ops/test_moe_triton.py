@@ -137,12 +137,14 @@ def test_route_and_align_in_one_program(num_tokens: int, num_experts: int, top_k
     assert block_expert[:len(want_owners)].tolist() == want_owners
 
 
-def _small_tiles(num_pairs: int, num_experts: int) -> GemmConfig | None:
+def _small_tiles(num_pairs: int, num_experts: int, swap_ab: bool = False) -> GemmConfig | None:
     """The default tiles on CUDA; in the interpreter the default block_m with 16-wide N and K
-    steps (several tiles and K steps on tiny sizes, and fast)."""
+    steps (several tiles and K steps on tiny sizes, and fast). swap_ab: the swapped product (out^T =
+    W x^T) at those tiles, or on CUDA at the default block_m with 64-wide ones."""
     if DEVICE == "cuda":
-        return None
-    return GemmConfig(block_m=default_config(num_pairs, num_experts).block_m, block_n=16, block_k=16)
+        block_m = default_config(num_pairs, num_experts).block_m
+        return GemmConfig(block_m=block_m, block_n=64, block_k=64, swap_ab=True) if swap_ab else None
+    return GemmConfig(block_m=default_config(num_pairs, num_experts).block_m, block_n=16, block_k=16, swap_ab=swap_ab)
 
 
 def _weights(num_experts: int, inner: int, width: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,9 +164,10 @@ def _random_ids(num_tokens: int, num_experts: int, top_k: int, gen: torch.Genera
     ("all on the same experts", 20, 8, 2, 32, 16),
     ("many tokens", 70, 4, 2, 16, 32),
 ])
-@pytest.mark.parametrize(("with_add", "swiglu"), [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize(("with_add", "swiglu", "swap_ab"), [(False, False, False), (True, False, False),
+                                                        (True, True, False), (False, False, True), (True, True, True)])
 def test_fused_moe_equals_the_reference(dtype: torch.dtype, case: str, num_tokens: int, num_experts: int, top_k: int,
-                                        width: int, inner: int, with_add: bool, swiglu: bool) -> None:
+                                        width: int, inner: int, with_add: bool, swiglu: bool, swap_ab: bool) -> None:
     gen = torch.Generator().manual_seed(num_tokens * 7 + width)
     w_up, w_down = _weights(num_experts, inner, width, gen)
     if swiglu:  # Granite's experts: the gate's rows, then the up's
@@ -187,8 +190,8 @@ def test_fused_moe_equals_the_reference(dtype: torch.dtype, case: str, num_token
     if add is not None:
         want = want + dev(add).cpu().double()
     got = fused_moe_triton(dev(x), dev(w_up), dev(w_down), ids.to(torch.int32).to(DEVICE), weights.float().to(DEVICE),
-                           add=None if add is None else dev(add), config=_small_tiles(num_tokens * top_k, num_experts),
-                           swiglu=swiglu)
+                           add=None if add is None else dev(add),
+                           config=_small_tiles(num_tokens * top_k, num_experts, swap_ab), swiglu=swiglu)
     assert got.dtype == dtype and got.shape == (num_tokens, width)
     scale = want.abs().max().item()
     torch.testing.assert_close(got.cpu().double(), want, atol=TOL[dtype] * scale, rtol=TOL[dtype])
