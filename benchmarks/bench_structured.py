@@ -94,7 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--size", choices=sorted(SIZES), default="nemotron-h-8b")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
-    p.add_argument("--backend", choices=["baseline", "replay"], default="baseline")
+    p.add_argument("--backend", choices=["baseline", "replay", "baseline-async", "replay-async"], default="baseline",
+                   help="SSM backend; -async: async scheduling (constrained steps overlap too)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=32, help="decode steps per timed window")
     p.add_argument("--warmup", type=int, default=8, help="decode steps before timing")

@@ -43,7 +43,8 @@ class _Launched(NamedTuple):
     plan: StepPlan
     requests: list[Request]  # each row's request, in plan order
     rewind: list[tuple[torch.Generator, torch.Tensor]]  # seeded generators' states before its draws
-    pending: PendingSample
+    pending: PendingSample | None  # None: only its forward is queued (`logits`); its sampling waits for masks
+    logits: torch.Tensor | None = None
 
 
 class Engine:
@@ -78,9 +79,10 @@ class Engine:
         self._launched: _Launched | None = None
         if config.async_scheduling:
             logger.info("async scheduling: a plain decode step is planned and launched while the previous one runs; "
-                        "steps with prefill chunks, Mamba boundary states (prefix caching), penalties, min_tokens or "
-                        "a grammar, and steps planned while a request waits for room or blocks run out, run "
-                        "synchronously")
+                        "steps with prefill chunks, Mamba boundary states (prefix caching), penalties or min_tokens, "
+                        "and steps planned while a request waits for room or blocks run out, run synchronously; "
+                        "a step with grammars queues its forward first and its masked sampling once the tokens "
+                        "before it are in")
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError for a request the engine cannot serve; touches no state."""
@@ -201,20 +203,34 @@ class Engine:
         self._count_step(plan)
         return finished
 
-    def _launch(self, plan: StepPlan, fed: torch.Tensor | None = None) -> _Launched:
+    def _launch(self, plan: StepPlan, fed: torch.Tensor | None = None, defer_masks: bool = False) -> _Launched:
         """Launches a plain decode step without waiting for it; fed: the previous launched step's
-        sampled tokens on the device, when the plan was made before they were known."""
+        sampled tokens on the device, when the plan was made before they were known. With
+        `defer_masks` a step with constrained rows gets its forward only: their masks need the
+        previous step's tokens in their matchers (`_sample_deferred` queues the sampling)."""
         requests = [self.scheduler.unfinished[s.request_id] for s in plan.seqs]
         generators = self._generators_of(requests)
         rewind = [(g, g.get_state()) for g in generators if g is not None]
         self.scheduler.fly(plan)
         try:
-            pending = self.runner.launch_decode(plan, [r.params for r in requests], generators, fed)
+            if defer_masks and len(self.grammars) and any(r.request_id in self.grammars for r in requests):
+                return _Launched(plan, requests, rewind, None, self.runner.launch_decode_forward(plan, fed))
+            pending = self.runner.launch_decode(plan, [r.params for r in requests], generators, fed,
+                                                self.grammars.masks(plan, requests))
         except BaseException:
             for gen, state in rewind:
                 gen.set_state(state)
             raise
         return _Launched(plan, requests, rewind, pending)
+
+    def _sample_deferred(self, launched: _Launched) -> _Launched:
+        """Queues the sampling of a step launched with its forward only, masked by its rows' grammars
+        (filled now: the host works while the device runs the forward)."""
+        assert launched.logits is not None
+        pending = self.runner.launch_decode_sample(launched.logits, [r.params for r in launched.requests],
+                                                   self._generators_of(launched.requests),
+                                                   self.grammars.masks(launched.plan, launched.requests))
+        return launched._replace(pending=pending, logits=None)
 
     def _complete_launched(self) -> list[Request]:
         """Plans and launches the step after the launched one when `schedule_next` allows, then
@@ -228,8 +244,9 @@ class Engine:
         following: _Launched | None = None
         try:
             next_plan = self.scheduler.schedule_next(current.plan)
+            assert current.pending is not None
             if next_plan is not None:
-                following = self._launch(next_plan, current.pending.tokens)
+                following = self._launch(next_plan, current.pending.tokens, defer_masks=True)
             results = self.runner.collect(current.pending)
             self.scheduler.land(current.plan)
             plan, requests = current.plan, current.requests
@@ -238,6 +255,8 @@ class Engine:
                 plan = dataclasses.replace(plan, seqs=tuple(plan.seqs[i] for i in live))
                 requests, results = [requests[i] for i in live], [results[i] for i in live]
             _, finished = self._apply(plan, requests, results)
+            if following is not None and following.pending is None:  # its masks follow these tokens
+                following = self._sample_deferred(following)
         except BaseException:
             self._take_back(current.requests, lengths, [], current.rewind, num_generated)
             self.scheduler.land_all()

@@ -169,8 +169,9 @@ class Grammars:
 
     def _bitmask_rows(self, n: int) -> torch.Tensor:
         """The first n rows of the mask buffer, every token allowed (rows a fill skips stay so).
-        Reusing it is safe because a step with grammar masks runs synchronously: the previous
-        step's copy to the device has completed when its tokens were read."""
+        Reusing it is safe because a fill comes after the tokens of the last masked step were read
+        (synchronously, or with async scheduling after `Engine._complete_launched` collected them),
+        and its copy to the device was queued before that step's sampling."""
         import xgrammar as xgr
 
         if self._bitmask is None or self._bitmask.shape[0] < n:

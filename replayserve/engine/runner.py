@@ -257,18 +257,34 @@ class Runner:
 
     @torch.inference_mode()
     def launch_decode(self, plan: StepPlan, params: list[SamplingParams], generators: list[torch.Generator | None],
-                      fed: torch.Tensor | None = None) -> PendingSample:
+                      fed: torch.Tensor | None = None,
+                      grammar_masks: Callable[[], TokenMask | None] | None = None) -> PendingSample:
         """Queues a plain decode step (`Scheduler.overlappable`: one token per row, nothing to
         publish) on the fixed-shape decode path, its sampling and the transfer of its tokens,
         without waiting for the device; `collect` reads the results. The SSM backend's
         begin_step and end_step run inside the forward. fed: the previous step's sampled tokens
-        (R,) int64 on the device when the plan has `fed_rows`. params and generators: per row."""
+        (R,) int64 on the device when the plan has `fed_rows`. params and generators: per row.
+        grammar_masks: as `execute`'s, called once the forward is queued."""
+        return self.launch_decode_sample(self.launch_decode_forward(plan, fed), params, generators, grammar_masks)
+
+    @torch.inference_mode()
+    def launch_decode_forward(self, plan: StepPlan, fed: torch.Tensor | None = None) -> torch.Tensor:
+        """The forward of `launch_decode` alone: the rows' logits (R, V), on the device, valid until
+        the next decode forward is queued (they are the graph's output buffer)."""
         assert self.graphs is not None, "launch_decode needs the fixed-shape decode path (async_scheduling)"
         assert not (plan.reset_slots or plan.state_copies)
         bucket = self.graphs.load(plan, 1, fed)
         _, logits = self.graphs.run(bucket, 1)
-        return launch_sample(logits[: len(plan.seqs)], params, generators,
-                             eos_token_ids=self.config.model.eos_token_ids)
+        return logits[: len(plan.seqs)]
+
+    @torch.inference_mode()
+    def launch_decode_sample(self, logits: torch.Tensor, params: list[SamplingParams],
+                             generators: list[torch.Generator | None],
+                             grammar_masks: Callable[[], TokenMask | None] | None = None) -> PendingSample:
+        """The sampling of `launch_decode` on `launch_decode_forward`'s logits, masked as `grammar_masks`
+        fills them (called first, under inference mode like the rest of the step)."""
+        grammar = grammar_masks() if grammar_masks is not None else None
+        return launch_sample(logits, params, generators, eos_token_ids=self.config.model.eos_token_ids, grammar=grammar)
 
     @staticmethod
     def collect(pending: PendingSample) -> list[SampleResult]:

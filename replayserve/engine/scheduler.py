@@ -179,13 +179,13 @@ class Scheduler:
     def overlappable(self, plan: StepPlan) -> bool:
         """Every row decodes one token and nothing between the steps needs the host: no drafts,
         no Mamba boundary state, no slot reset or copy, no penalties or min_tokens (the sampler
-        reads those rows' tokens so far), no grammar (its mask needs the previous token). The step
-        after such a step can be planned before its tokens are known (`schedule_next`)."""
+        reads those rows' tokens so far). The step after such a step can be planned before its
+        tokens are known (`schedule_next`). A grammar's mask needs the previous token, but only
+        the sampling reads it: the engine queues such a step's forward first (`Engine._launch`)."""
         if not plan.seqs or plan.reset_slots or plan.state_copies:
             return False
         return all(s.is_decode and not s.num_drafts and not s.boundary_writes
-                   and not uses_history(p := self.unfinished[s.request_id].params) and p.structured_outputs is None
-                   for s in plan.seqs)
+                   and not uses_history(self.unfinished[s.request_id].params) for s in plan.seqs)
 
     def schedule_next(self, plan: StepPlan) -> StepPlan | None:
         """The plain decode step after `plan`, planned while `plan` runs (async scheduling): its

@@ -89,6 +89,61 @@ def test_seeded_constrained_samples_follow_the_grammar_with_drafts(tiny_model_di
     assert metrics["spec_num_accepted_tokens"] > 0, "drafts verified under the grammar's masks"
 
 
+def _constrained_pair(model: Path) -> tuple[LLM, LLM]:
+    """An engine with async scheduling and one without it on the same fixed-shape decode path."""
+    sync = LLM(model=str(model), dtype="float64", device="cpu", max_num_seqs=4)
+    sync.engine.runner.graphs = sync.engine.runner.make_decode_graphs(capture=False)
+    return sync, LLM(model=str(model), dtype="float64", device="cpu", max_num_seqs=4, async_scheduling=True)
+
+
+def test_async_scheduling_overlaps_constrained_steps_and_samples_the_same(tiny_model_dir: Path) -> None:
+    """Every row constrained, seeded sampling: each decode step after the first of a run is launched
+    before the previous one's tokens are read (its masks filled once they are), and the samples equal
+    the synchronous engine's, draw for draw."""
+    prompts = ["def f(x):", "The quick brown fox", "x = [1, 2"]
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=40, structured_outputs=constraint)
+              for seed, constraint in enumerate([StructuredOutputsParams(json=SCHEMA),
+                                                 StructuredOutputsParams(regex=r"(ab|cd){2,20}!"),
+                                                 StructuredOutputsParams(json=SCHEMA)])]
+    sync, overlapped = _constrained_pair(tiny_model_dir)
+    expected = [o.outputs[0] for o in sync.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0] for o in overlapped.generate(prompts, params, use_tqdm=False)]
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]  # the masks: at temperature 1
+    steps = overlapped.get_metrics()
+    assert steps["num_overlapped_steps"] > steps["num_steps"] // 2, steps
+    assert_pools_full(overlapped)
+
+
+def test_a_fault_in_an_overlapped_constrained_step_changes_nothing(tiny_model_dir: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The masks of the step launched behind the running one fail to fill: both steps are abandoned,
+    the matchers go back, and the request ends as without the fault."""
+    params = SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=EMAIL))
+    sync, llm = _constrained_pair(tiny_model_dir)
+    expected = sync.generate("def f(x):", params, use_tqdm=False)[0].outputs[0].token_ids
+    engine = llm.engine
+    request = engine.add_request(llm.tokenizer.encode("def f(x):"), params)
+    for _ in range(6):
+        engine.step()
+    assert engine.num_overlapped_steps >= 2 and engine.has_unfinished()
+    fill = engine.grammars._fill
+
+    def fail(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(engine.grammars, "_fill", fail)
+    before = list(request.output_token_ids)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    assert request.output_token_ids == before
+    assert engine.grammars._grammars[request.request_id].consumed == len(before)
+    monkeypatch.setattr(engine.grammars, "_fill", fill)
+    while engine.has_unfinished():
+        engine.step()
+    assert request.output_token_ids == expected
+    assert_pools_full(llm)
+
+
 def test_a_failed_step_rolls_the_matchers_back(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     params = SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=EMAIL))
     llm = LLM(model=str(tiny_model_dir), dtype="float64", device="cpu", max_num_seqs=2)
