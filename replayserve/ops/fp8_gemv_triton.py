@@ -11,7 +11,11 @@ the ~12.7 a clock per SM that an H100's copy bandwidth delivers. An H100 sweep o
 out at 75% of copy bandwidth (8B in_proj: 34.5 us), the bf16 GEMV at 92%. So where the weight's
 rows are 4-byte aligned (``packed_words``) the kernel reads int32 words of 4 weights and widens each
 byte with three integer ops into an fp32 that is its value times 2^-120 (``_widen_byte``); x is
-scaled by 2^64 and the sums by 2^56 to match. The FP8-load path stays for other layouts.
+scaled by 2^64 and the sums by 2^56 to match. Measured on an H100 (2026-12-08) it did not pay as a
+default: the 8B shape's FP8 step went from 247 to 222 tok/s (its x, loaded at a stride of 4 per
+byte plane, is re-laid through shared memory each K step: 37 barriers a step against 4), while
+with an input scale (whose per-element division costs both paths alike) it ran 8B down 46 against
+61 us, in_proj and up as before. So it is an option (``packed=True``) for further work.
 
 With an ``input_scale`` the activations are rounded through FP8 with it first, in registers, so
 the result is the ModelOpt FP8 Linear of ``fp8_linear_ref`` (the same numbers as the
@@ -136,9 +140,9 @@ def fp8_gemv_triton(x: Tensor, weight: Tensor, weight_scale: Tensor, input_scale
             x unrounded.
         bias: (N,) or None.
         packed: read the weight as int32 words of 4 FP8 values and widen them by integer ops
-            (``_widen_byte``) rather than by FP8 conversion instructions, which cap the read below the
-            copy bandwidth on sm_90 (1.5 conversions per weight at 16 a clock per SM); None: where
-            the weight's layout allows (``packed_words``), False: never.
+            (``_widen_byte``) rather than by FP8 conversion instructions (the module docstring says
+            why). Off by default: on an H100 it made the 8B shape's FP8 decode step slower (222
+            against 247 tok/s), though faster on a long-K projection (8B down, with an input scale).
 
     Returns:
         (M, N) in x.dtype.
@@ -158,7 +162,7 @@ def fp8_gemv_triton(x: Tensor, weight: Tensor, weight_scale: Tensor, input_scale
     rows = x.shape[0]
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     block_m, block_n, block_k, warps = fp8_gemv_tiles(rows, k)
-    words = packed_words(weight) if packed is not False else None
+    words = packed_words(weight) if packed else None
     if packed and words is None:
         raise ValueError(f"packed=True needs a weight of 4-byte-aligned rows of contiguous bytes, got strides "
                          f"{weight.stride()} and K={k}")

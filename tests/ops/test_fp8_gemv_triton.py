@@ -48,7 +48,8 @@ def test_fp8_gemv_without_input_scale_matches_float64(dtype: torch.dtype, packed
     w_strided = buffer[:, 4:k + 4] if packed else buffer[:, ::2]
     w_strided.copy_(w_q)
     assert (packed_words(w_strided) is not None) == packed
-    got = fp8_gemv_triton(x, w_strided, w_s.to(DEVICE), None, None if b is None else b.to(DEVICE, dtype))
+    got = fp8_gemv_triton(x, w_strided, w_s.to(DEVICE), None, None if b is None else b.to(DEVICE, dtype),
+                          packed=packed)
     assert got.shape == (rows, n) and got.dtype == dtype
     want = fp8_linear_ref(x.double().cpu(), w_q, w_s, None, None if b is None else b.to(dtype).double())
     assert rel_err(got, want) < TOL[dtype]
