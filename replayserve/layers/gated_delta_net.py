@@ -15,14 +15,14 @@ r = Hv / Hk, and `in_proj_ba` [b (r), a (r)]; Qwen3.5 has `in_proj_qkv` ([q | k 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from replayserve.config import ModelConfig
 from replayserve.layers.linear import Linear
 from replayserve.layers.mamba2 import padded_index, valid_positions
 from replayserve.layers.step_context import StepContext
-from replayserve.ops.dtypes import compute_dtype
+from replayserve.ops.gdn_gates import gdn_gates
+from replayserve.ops.norm import gated_rms_norm
 from replayserve.ssm.gated_delta_backend import GatedDeltaBackend
 
 
@@ -36,12 +36,12 @@ class HeadGatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """x, z (..., V) -> (..., V) in x.dtype."""
-        cdt = compute_dtype(x.dtype)
-        h = x.to(cdt)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight * h.to(x.dtype)
-        return (h * F.silu(z.to(cdt))).to(x.dtype)
+        """x, z (..., H, V) -> (..., H, V) in x.dtype (``ops.norm.gated_rms_norm`` with `round_normed`:
+        one kernel on the GPU)."""
+        v = x.shape[-1]
+        flat = gated_rms_norm(x.reshape(*x.shape[:-2], -1), z.reshape(*z.shape[:-2], -1), self.weight, self.eps,
+                              group_size=v, norm_before_gate=True, round_normed=True)
+        return flat.view(x.shape)
 
 
 class GatedDeltaNet(nn.Module):
@@ -86,9 +86,7 @@ class GatedDeltaNet(nn.Module):
 
     def gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """b, a (T, Hv) -> g (log-space decay) and beta, (T, Hv) each in the compute dtype."""
-        cdt = compute_dtype(a.dtype)
-        g = -self.A_log.to(cdt).exp() * F.softplus(a.to(cdt) + self.dt_bias.to(cdt))
-        return g, b.sigmoid().to(cdt)
+        return gdn_gates(a, b, self.A_log, self.dt_bias)
 
     def forward(self, hidden: torch.Tensor, ctx: StepContext, backend: GatedDeltaBackend) -> torch.Tensor:
         """hidden (T, hidden_size) -> (T, hidden_size); decode rows first, then prefill chunks."""

@@ -31,17 +31,20 @@ def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def gated_rms_norm_ref(x: Tensor, z: Tensor, weight: Tensor, eps: float, group_size: int,
-                       norm_before_gate: bool = False) -> Tensor:
+                       norm_before_gate: bool = False, round_normed: bool = False) -> Tensor:
     """Gated RMSNorm normalised per contiguous group of channels (NemotronHRMSNormGated; Falcon-H1's
-    with `norm_before_gate`).
+    with `norm_before_gate`; Qwen3-Next's and Qwen3.5's Gated DeltaNet norm with `round_normed` too).
 
     Arguments:
         x: (..., D) any float dtype.
         z: (..., D) the gate.
-        weight: (D,).
+        weight: (D,), or (group_size,) shared by every group (with `round_normed`).
         eps: added to each group's mean square before the rsqrt.
         group_size: channels per group; D % group_size == 0.
         norm_before_gate: normalise x, then gate (Falcon-H1's `mamba_norm_before_gate`).
+        round_normed: with `norm_before_gate`, the Gated DeltaNet order (transformers'
+            Qwen3NextRMSNormGated): the normed x rounded to x.dtype, times the weight (in their
+            promoted dtype), times silu(z) in the compute dtype, cast once to x.dtype.
 
     Returns:
         (..., D): with h = x * silu(z) in compute_dtype(x.dtype), each group of
@@ -57,12 +60,20 @@ def gated_rms_norm_ref(x: Tensor, z: Tensor, weight: Tensor, eps: float, group_s
         raise ValueError(f"z shape {tuple(z.shape)} != x shape {tuple(x.shape)}")
     if dim % group_size != 0:
         raise ValueError(f"D={dim} is not a multiple of group_size={group_size}")
+    if round_normed and not norm_before_gate:
+        raise ValueError("round_normed goes with norm_before_gate")
+    if weight.shape == (group_size,) and dim != group_size:
+        if not round_normed:
+            raise ValueError(f"weight must be ({dim},), got {tuple(weight.shape)}")
+        weight = weight.repeat(dim // group_size)
     cdt = compute_dtype(x.dtype)
     gate = F.silu(z.to(cdt))
     h = x.to(cdt) if norm_before_gate else x.to(cdt) * gate
     groups = h.reshape(*h.shape[:-1], dim // group_size, group_size)
     groups = groups * torch.rsqrt(groups.pow(2).mean(dim=-1, keepdim=True) + eps)
     h = groups.reshape(h.shape)
+    if round_normed:
+        return ((weight * h.to(x.dtype)) * gate).to(x.dtype)
     if norm_before_gate:
         return (weight * h * gate).to(x.dtype)
     return weight * h.to(x.dtype)
@@ -109,10 +120,10 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
 
 
 def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float, group_size: int,
-                   norm_before_gate: bool = False) -> Tensor:
+                   norm_before_gate: bool = False, round_normed: bool = False) -> Tensor:
     """``gated_rms_norm_ref``, by its kernel where it serves."""
     if use_triton(x):
         from replayserve.ops.norm_triton import gated_rms_norm_triton
 
-        return gated_rms_norm_triton(x, z, weight, eps, group_size, norm_before_gate)
-    return gated_rms_norm_ref(x, z, weight, eps, group_size, norm_before_gate)
+        return gated_rms_norm_triton(x, z, weight, eps, group_size, norm_before_gate, round_normed)
+    return gated_rms_norm_ref(x, z, weight, eps, group_size, norm_before_gate, round_normed)

@@ -41,7 +41,8 @@ def _rms_norm_kernel(
 @triton.jit
 def _gated_rms_norm_kernel(
     x_ptr, z_ptr, w_ptr, out_ptr, group_size, eps, s_x_r, s_x_d, s_z_r, s_z_d, s_w, s_out_r,
-    BEFORE_GATE: tl.constexpr, BLOCK: tl.constexpr,
+    BEFORE_GATE: tl.constexpr, ROUND_NORMED: tl.constexpr, SHARED_WEIGHT: tl.constexpr, PRODUCT_FP32: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * group_size + tl.arange(0, BLOCK)
@@ -49,17 +50,27 @@ def _gated_rms_norm_kernel(
     x = tl.load(x_ptr + row * s_x_r + offs * s_x_d, mask=mask, other=0.0)
     z = tl.load(z_ptr + row * s_z_r + offs * s_z_d, mask=mask, other=0.0).to(tl.float32)
     gate = z * tl.sigmoid(z)
-    w = tl.load(w_ptr + offs * s_w, mask=mask, other=0.0).to(tl.float32)
-    if BEFORE_GATE:  # Falcon-H1's order: normed, weighted and gated in fp32, rounded once
+    w_offs = tl.arange(0, BLOCK) if SHARED_WEIGHT else offs  # one (group_size,) weight for every group
+    w = tl.load(w_ptr + w_offs * s_w, mask=mask, other=0.0)
+    if ROUND_NORMED:  # the Gated DeltaNet order: normed, rounded, weighted (in their dtypes), gated
         h = x.to(tl.float32)
         h = h * tl.rsqrt(tl.sum(h * h, axis=0) / group_size + eps)
-        y = w * h * gate
+        # weight * normed in PyTorch's promoted dtype: the product of two values of at most 16 bits
+        # is exact in fp32, so one rounding to that dtype matches its kernel
+        hw = w.to(tl.float32) * h.to(x_ptr.dtype.element_ty).to(tl.float32)
+        if not PRODUCT_FP32:
+            hw = hw.to(x_ptr.dtype.element_ty).to(tl.float32)
+        y = hw * gate
+    elif BEFORE_GATE:  # Falcon-H1's order: normed, weighted and gated in fp32, rounded once
+        h = x.to(tl.float32)
+        h = h * tl.rsqrt(tl.sum(h * h, axis=0) / group_size + eps)
+        y = w.to(tl.float32) * h * gate
     else:
         h = x.to(tl.float32) * gate
         h = h * tl.rsqrt(tl.sum(h * h, axis=0) / group_size + eps)
         # Hugging Face casts to x's dtype before the weight multiply; the product of two values of
         # at most 16 bits is exact in fp32, so one rounding to the output dtype matches PyTorch's.
-        y = w * h.to(x_ptr.dtype.element_ty).to(tl.float32)
+        y = w.to(tl.float32) * h.to(x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * s_out_r + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -128,28 +139,34 @@ def add_rms_norm_triton(x: Tensor, residual: Tensor, weight: Tensor, eps: float)
 
 
 def gated_rms_norm_triton(x: Tensor, z: Tensor, weight: Tensor, eps: float, group_size: int,
-                          norm_before_gate: bool = False) -> Tensor:
-    """``gated_rms_norm_ref`` on the GPU (NemotronHRMSNormGated; Falcon-H1's with `norm_before_gate`).
+                          norm_before_gate: bool = False, round_normed: bool = False) -> Tensor:
+    """``gated_rms_norm_ref`` on the GPU (NemotronHRMSNormGated; Falcon-H1's with `norm_before_gate`;
+    the Gated DeltaNet norm with `round_normed` too).
 
     Arguments:
         x: (..., D) fp32, bf16 or fp16; rows may be strided.
         z: (..., D) the gate, any of those dtypes and strides.
-        weight: (D,).
+        weight: (D,), or (group_size,) shared by every group with `round_normed`.
         eps: added to each group's mean square before the rsqrt.
         group_size: channels per group; D % group_size == 0.
-        norm_before_gate: as ``gated_rms_norm_ref``.
+        norm_before_gate, round_normed: as ``gated_rms_norm_ref``.
 
     Returns:
         (..., D) contiguous in torch.promote_types(weight.dtype, x.dtype): h = x * silu(z) in
         fp32, each group scaled by rsqrt(mean(h^2) + eps), cast to x.dtype, times weight; with
-        `norm_before_gate`, in x.dtype: weight * (x normed per group) * silu(z) in fp32, cast once.
+        `norm_before_gate`, in x.dtype: weight * (x normed per group) * silu(z) in fp32, cast once;
+        with `round_normed` too, in x.dtype: the normed x cast to x.dtype, times weight in their
+        promoted dtype, times silu(z) in fp32, cast once.
     """
     dim = x.shape[-1]
     if z.shape != x.shape:
         raise ValueError(f"z shape {tuple(z.shape)} != x shape {tuple(x.shape)}")
     if dim % group_size != 0:
         raise ValueError(f"D={dim} is not a multiple of group_size={group_size}")
-    rows, gates = _rows(x, weight), z.reshape(-1, dim)
+    if round_normed and not norm_before_gate:
+        raise ValueError("round_normed goes with norm_before_gate")
+    shared = round_normed and weight.shape == (group_size,)
+    rows, gates = (x.reshape(-1, dim) if shared else _rows(x, weight)), z.reshape(-1, dim)
     out_dtype = x.dtype if norm_before_gate else torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     if rows.shape[0] == 0:
@@ -157,6 +174,8 @@ def gated_rms_norm_triton(x: Tensor, z: Tensor, weight: Tensor, eps: float, grou
     block = triton.next_power_of_2(group_size)
     _gated_rms_norm_kernel[(rows.shape[0], dim // group_size)](
         rows, gates, weight, out, group_size, float(eps), *rows.stride(), *gates.stride(), weight.stride(0), dim,
-        BEFORE_GATE=norm_before_gate, BLOCK=block, num_warps=_warps(block),
+        BEFORE_GATE=norm_before_gate, ROUND_NORMED=round_normed, SHARED_WEIGHT=shared,
+        PRODUCT_FP32=torch.promote_types(weight.dtype, x.dtype) == torch.float32, BLOCK=block,
+        num_warps=_warps(block),
     )
     return out
