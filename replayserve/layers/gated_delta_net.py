@@ -101,7 +101,11 @@ class GatedDeltaNet(nn.Module):
                                   beta.view(nd, width, -1), ctx.decode_num_tokens, weight)
             o = rows.reshape(nt, self.num_v_heads, self.head_v_dim)
         elif nt == nd and nd:  # plain decode: one token per row
-            o[:nd] = backend.decode(self.index, ctx.state_slots[:nd], qkv[:nd], g[:nd], beta[:nd], weight)
+            rows = backend.decode(self.index, ctx.state_slots[:nd], qkv[:nd], g[:nd], beta[:nd], weight)
+            if nd == hidden.shape[0]:  # a decode-only step: no copy into `o`
+                o = rows
+            else:
+                o[:nd] = rows
         elif nd:  # speculative verify: rows of 1 + drafts tokens, padded to the longest
             index, lens = padded_index(ctx.decode_lens, hidden.device)
             rows = backend.verify(self.index, ctx.state_slots[:nd], qkv[index], g[index], beta[index], lens, weight)
