@@ -5,7 +5,7 @@ GEMV at one row), in CUDA graphs, weights cycled beyond L2 as ``bench_gemv.py`` 
 Each row prints microseconds and the weight-read rate against the copy bandwidth (FP8 reads half
 the bytes, so its roofline time is half bf16's), the FP8 GEMV both ways it widens the weights
 (FP8 loads and conversion instructions, the default; int32 words and integer ops, ``packed=True``).
-``--sweep`` times the packed path's tiles per shape at one row and prints the best beside
+``--sweep`` times the default path's tiles per shape at one row and prints the best beside
 ``fp8_gemv_tiles``' pick.
 
     python benchmarks/bench_fp8_gemv.py            # CUDA only, ~1 min
@@ -30,7 +30,7 @@ from roofline import measure_rates  # noqa: E402
 
 from replayserve.ops.fp8 import quantize_fp8_per_tensor  # noqa: E402
 from replayserve.ops.fp8_gemm import fp8_scaled_mm  # noqa: E402
-from replayserve.ops.fp8_gemv_triton import _fp8_gemv_kernel, fp8_gemv_tiles, fp8_gemv_triton, packed_words  # noqa: E402
+from replayserve.ops.fp8_gemv_triton import _fp8_gemv_kernel, fp8_gemv_tiles, fp8_gemv_triton  # noqa: E402
 from replayserve.ops.gemv_triton import gemv_triton  # noqa: E402
 
 ROWS = (1, 4, 8)
@@ -58,11 +58,10 @@ def sweep_shape(copies: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor
         def call(ws: tuple[torch.Tensor, torch.Tensor], bn: int = bn, bk: int = bk, warps: int = warps,
                  stages: int = stages) -> None:
             w, s = ws
-            words = packed_words(w)  # the packed path, as fp8_gemv_triton takes it: K / 4 words a row
             _fp8_gemv_kernel[(triton.cdiv(n, bn),)](
-                x, words, s, x_scale, None, y, 1, n, k // 4, x.stride(0), x.stride(1), words.stride(0), 1,
-                y.stride(0), FP8_LIMIT=448.0, QUANT_X=True, HAS_BIAS=False, PACKED=True, BLOCK_M=1, BLOCK_N=bn,
-                BLOCK_K=bk // 4, num_warps=warps, num_stages=stages)
+                x, w, s, x_scale, None, y, 1, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0),
+                FP8_LIMIT=448.0, QUANT_X=True, HAS_BIAS=False, PACKED=False, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk,
+                num_warps=warps, num_stages=stages)
 
         rows.append((cycled_us(copies, call), tiles))
     return sorted(rows)

@@ -34,6 +34,3 @@ def gdn_gates(a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor) -> tuple[Ten
 
         return gdn_gates_triton(a, b, a_log, dt_bias)
     return gdn_gates_ref(a, b, a_log, dt_bias)
-
-
-

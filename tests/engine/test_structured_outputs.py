@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from replayserve import LLM, SamplingParams
-from replayserve.engine.request import Status
+from replayserve.engine.request import Request, Status
 from replayserve.structured import StructuredOutputsParams
 from replayserve.structured.compiler import GrammarCompiler
 from tests.conftest import assert_pools_full
@@ -126,22 +126,30 @@ def test_a_fault_in_an_overlapped_constrained_step_changes_nothing(tiny_model_di
     for _ in range(6):
         engine.step()
     assert engine.num_overlapped_steps >= 2 and engine.has_unfinished()
-    fill = engine.grammars._fill
+    _fail_one_step_then_finish(llm, request, engine.grammars, "_fill", expected, monkeypatch)
+    assert_pools_full(llm)
+
+
+def _fail_one_step_then_finish(llm: LLM, request: Request, owner: object, name: str, expected: list[int],
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `owner.name` raising, a step fails and leaves the request's tokens and its matcher where
+    they were; put back, the request ends with `expected`."""
+    engine = llm.engine
+    original = getattr(owner, name)
 
     def fail(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(engine.grammars, "_fill", fail)
+    monkeypatch.setattr(owner, name, fail)
     before = list(request.output_token_ids)
     with pytest.raises(RuntimeError, match="injected"):
         engine.step()
     assert request.output_token_ids == before
     assert engine.grammars._grammars[request.request_id].consumed == len(before)
-    monkeypatch.setattr(engine.grammars, "_fill", fill)
+    monkeypatch.setattr(owner, name, original)
     while engine.has_unfinished():
         engine.step()
     assert request.output_token_ids == expected
-    assert_pools_full(llm)
 
 
 def test_a_failed_step_rolls_the_matchers_back(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -152,21 +160,7 @@ def test_a_failed_step_rolls_the_matchers_back(tiny_model_dir: Path, monkeypatch
     request = engine.add_request(llm.tokenizer.encode("def f(x):"), params)
     for _ in range(4):
         engine.step()
-    update = engine.scheduler.update
-
-    def fail_after_accepting(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
-        raise RuntimeError("injected")
-
-    monkeypatch.setattr(engine.scheduler, "update", fail_after_accepting)
-    before = list(request.output_token_ids)
-    with pytest.raises(RuntimeError, match="injected"):
-        engine.step()
-    assert request.output_token_ids == before
-    assert engine.grammars._grammars[request.request_id].consumed == len(before)
-    monkeypatch.setattr(engine.scheduler, "update", update)
-    while engine.has_unfinished():
-        engine.step()
-    assert request.output_token_ids == expected
+    _fail_one_step_then_finish(llm, request, engine.scheduler, "update", expected, monkeypatch)  # after the accepts
 
 
 def test_a_request_waits_for_its_grammar_while_the_others_step(tiny_model_dir: Path,
